@@ -1,0 +1,511 @@
+/* Watcher's OS-level recorder: syscalls, futex waits and wakes, process
+ * lifecycle and signals of one process tree.
+ *
+ * Policies run here, not in the collector:
+ *   - only tgids in `traced` are recorded; the set follows fork;
+ *   - per-thread per-syscall counts and total time are always exact (`syscall_stats`);
+ *   - idle epoll_wait/poll/select timeouts that return 0 are counted, not logged;
+ *   - futex calls go to their own ring with wait/wake pairing, not to the syscall ring;
+ *   - a failed ring reservation is counted per CPU in `drops`, never silent.
+ *
+ * Compile-time switches (set by bpf/recorder.py): PROBE_SYSCALL, PROBE_FUTEX,
+ * PROBE_PROC, PROBE_SIGNAL, LOG_IDLE_POLLS, RING_PAGES_*.
+ */
+#include <uapi/linux/ptrace.h>
+#include "events.h"
+
+#define NR_POLL 7
+#define NR_SELECT 23
+#define NR_WAIT4 61
+#define NR_FUTEX 202
+#define NR_EXIT 60
+#define NR_EXIT_GROUP 231
+#define NR_EPOLL_WAIT 232
+#define NR_WAITID 247
+#define NR_PSELECT6 270
+#define NR_PPOLL 271
+#define NR_EPOLL_PWAIT 281
+#define NR_EPOLL_PWAIT2 441
+
+#define WATCH_CLONE_THREAD 0x00010000ULL
+
+struct inflight_t {
+    u64 ts;
+    u64 args[6];
+    s64 aux;        /* futex waits: timeout ns (-1 none) */
+    u32 nr;
+    u32 pad;
+};
+
+struct stat_key_t {
+    u32 pid;
+    u32 tid;
+    u32 nr;
+    u32 pad;
+};
+
+struct stat_val_t {
+    u64 count;      /* every completed call */
+    u64 dur;        /* total ns over every call */
+    u64 logged;     /* calls written to a ring */
+    u64 idle;       /* idle polls counted, not logged */
+};
+
+struct waker_t {
+    u64 ts;
+    u32 tid;
+    u32 pad;
+};
+
+struct exec_args_t {
+    char argv[ARGV_SLOTS][ARGV_SLOT_LEN];
+};
+
+BPF_HASH(traced, u32, u8, 65536);
+BPF_HASH(inflight, u32, struct inflight_t, 65536);
+BPF_HASH(syscall_stats, struct stat_key_t, struct stat_val_t, 131072);
+BPF_TABLE("lru_hash", u32, struct waker_t, wakers, 65536);
+BPF_HASH(exit_status, u32, s32, 65536);
+BPF_HASH(exec_args, u32, struct exec_args_t, 1024);
+BPF_PERCPU_ARRAY(exec_scratch, struct exec_args_t, 1);
+BPF_PERCPU_ARRAY(drops, u64, RING_COUNT);
+BPF_ARRAY(stat_overflow, u64, 1);
+
+BPF_RINGBUF_OUTPUT(syscall_ring, RING_PAGES_SYSCALL);
+BPF_RINGBUF_OUTPUT(futex_ring, RING_PAGES_FUTEX);
+BPF_RINGBUF_OUTPUT(proc_ring, RING_PAGES_PROC);
+BPF_RINGBUF_OUTPUT(signal_ring, RING_PAGES_SIGNAL);
+
+static __always_inline void count_drop(int ring)
+{
+    int key = ring;
+    u64 *v = drops.lookup(&key);
+    if (v)
+        (*v)++;
+}
+
+static __always_inline int is_traced(u32 tgid)
+{
+    return traced.lookup(&tgid) != 0;
+}
+
+static __always_inline int futex_cmd(u64 op)
+{
+    return op & 0x7f;  /* strip FUTEX_PRIVATE_FLAG and FUTEX_CLOCK_REALTIME */
+}
+
+static __always_inline int futex_is_wait(int cmd)
+{
+    /* WAIT, LOCK_PI, TRYLOCK_PI, WAIT_BITSET, WAIT_REQUEUE_PI, LOCK_PI2 */
+    return cmd == 0 || cmd == 6 || cmd == 8 || cmd == 9 || cmd == 11 || cmd == 13;
+}
+
+static __always_inline int futex_is_wake(int cmd)
+{
+    /* WAKE, REQUEUE, CMP_REQUEUE, WAKE_OP, UNLOCK_PI, WAKE_BITSET, CMP_REQUEUE_PI */
+    return cmd == 1 || cmd == 3 || cmd == 4 || cmd == 5 || cmd == 7 || cmd == 10 || cmd == 12;
+}
+
+static __always_inline int is_idle_poll(u32 nr, s64 ret)
+{
+    if (ret != 0)
+        return 0;
+    return nr == NR_EPOLL_WAIT || nr == NR_EPOLL_PWAIT || nr == NR_EPOLL_PWAIT2 ||
+           nr == NR_POLL || nr == NR_PPOLL || nr == NR_SELECT || nr == NR_PSELECT6;
+}
+
+static __always_inline struct stat_val_t *stat_slot(u32 tgid, u32 tid, u32 nr)
+{
+    struct stat_key_t key = {.pid = tgid, .tid = tid, .nr = nr};
+    struct stat_val_t *v = syscall_stats.lookup(&key);
+    if (v)
+        return v;
+    struct stat_val_t zero = {};
+    if (syscall_stats.update(&key, &zero) != 0) {
+        int k = 0;
+        u64 *o = stat_overflow.lookup(&k);
+        if (o)
+            __sync_fetch_and_add(o, 1);
+        return 0;
+    }
+    return syscall_stats.lookup(&key);
+}
+
+static __always_inline void emit_proc(u32 kind, u32 pid, u32 tid, u32 ppid, u32 ptid,
+                                      s32 code, u64 flags)
+{
+#if PROBE_PROC
+    struct proc_event *e = proc_ring.ringbuf_reserve(sizeof(struct proc_event));
+    if (!e) {
+        count_drop(RING_PROC);
+        return;
+    }
+    e->ts = bpf_ktime_get_ns();
+    e->kind = kind;
+    e->pid = pid;
+    e->tid = tid;
+    e->ppid = ppid;
+    e->ptid = ptid;
+    e->code = code;
+    e->flags = flags;
+    bpf_get_current_comm(&e->comm, sizeof(e->comm));
+    e->filename[0] = 0;
+    e->argv[0][0] = 0;
+    proc_ring.ringbuf_submit(e, 0);
+#endif
+}
+
+TRACEPOINT_PROBE(raw_syscalls, sys_enter)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!is_traced(tgid))
+        return 0;
+    u32 nr = args->id;
+    u64 now = bpf_ktime_get_ns();
+
+    if (nr == NR_EXIT || nr == NR_EXIT_GROUP) {
+        /* These never return: count them here. */
+        struct stat_val_t *s = stat_slot(tgid, tid, nr);
+        if (s) {
+            __sync_fetch_and_add(&s->count, 1);
+        }
+        if (nr == NR_EXIT_GROUP) {
+            s32 status = (s32)((args->args[0] & 0xff) << 8);
+            exit_status.update(&tgid, &status);
+        }
+#if PROBE_SYSCALL
+        struct syscall_event *e = syscall_ring.ringbuf_reserve(sizeof(struct syscall_event));
+        if (!e) {
+            count_drop(RING_SYSCALL);
+            return 0;
+        }
+        e->ts = now;
+        e->dur = 0;
+        e->pid = tgid;
+        e->tid = tid;
+        e->ret = 0;
+        #pragma unroll
+        for (int i = 0; i < 6; i++)
+            e->args[i] = args->args[i];
+        e->nr = nr;
+        e->cpu = bpf_get_smp_processor_id();
+        syscall_ring.ringbuf_submit(e, 0);
+        if (s)
+            __sync_fetch_and_add(&s->logged, 1);
+#endif
+        return 0;
+    }
+
+    struct inflight_t in = {};
+    in.ts = now;
+    in.nr = nr;
+    in.aux = -1;
+    #pragma unroll
+    for (int i = 0; i < 6; i++)
+        in.args[i] = args->args[i];
+    if (nr == NR_FUTEX && futex_is_wait(futex_cmd(in.args[1])) && in.args[3]) {
+        s64 tsp[2] = {};
+        if (bpf_probe_read_user(&tsp, sizeof(tsp), (void *)in.args[3]) == 0)
+            in.aux = tsp[0] * 1000000000LL + tsp[1];
+    }
+    inflight.update(&tid, &in);
+    return 0;
+}
+
+TRACEPOINT_PROBE(raw_syscalls, sys_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    struct inflight_t *in = inflight.lookup(&tid);
+    if (!in)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    u32 nr = in->nr;
+    s64 ret = args->ret;
+    u64 dur = now - in->ts;
+
+    struct stat_val_t *s = stat_slot(tgid, tid, nr);
+    if (s) {
+        __sync_fetch_and_add(&s->count, 1);
+        __sync_fetch_and_add(&s->dur, dur);
+    }
+
+    if ((nr == NR_WAIT4 || nr == NR_WAITID) && ret > 0 && in->args[1]) {
+        /* A traced parent reaped a child: the authoritative exit status. */
+        s32 status = -1;
+        u32 child = ret;
+        if (nr == NR_WAIT4) {
+            bpf_probe_read_user(&status, sizeof(status), (void *)in->args[1]);
+        } else {
+            s32 si[7] = {};
+            if (bpf_probe_read_user(&si, sizeof(si), (void *)in->args[2]) == 0) {
+                child = si[4];
+                /* si_code CLD_EXITED=1 carries an exit code, otherwise a signal */
+                status = si[2] == 1 ? ((si[6] & 0xff) << 8) : (si[6] & 0x7f);
+            }
+        }
+        emit_proc(PROC_REAP, tgid, child, tgid, tid, status, 0);
+    }
+
+    if (nr == NR_FUTEX) {
+        int cmd = futex_cmd(in->args[1]);
+        int wait = futex_is_wait(cmd);
+        int wake = futex_is_wake(cmd);
+        if (!wait && !(wake && ret != 0)) {
+            /* a wake that woke nobody: counted above, not logged */
+            inflight.delete(&tid);
+            return 0;
+        }
+#if PROBE_FUTEX
+        struct futex_event *f = futex_ring.ringbuf_reserve(sizeof(struct futex_event));
+        if (!f) {
+            count_drop(RING_FUTEX);
+            inflight.delete(&tid);
+            return 0;
+        }
+        f->ts = in->ts;
+        f->dur = dur;
+        f->pid = tgid;
+        f->tid = tid;
+        f->uaddr = in->args[0];
+        f->ret = ret;
+        f->op = in->args[1];
+        f->val = in->args[2];
+        f->kind = wait ? FUTEX_KIND_WAIT : FUTEX_KIND_WAKE;
+        f->timeout_ns = wait ? in->aux : -1;
+        f->waker_tid = 0;
+        f->wake_ts = 0;
+        if (wait) {
+            struct waker_t *w = wakers.lookup(&tid);
+            if (w) {
+                if (w->ts >= in->ts) {
+                    f->waker_tid = w->tid;
+                    f->wake_ts = w->ts;
+                }
+                wakers.delete(&tid);
+            }
+        }
+        futex_ring.ringbuf_submit(f, 0);
+        if (s)
+            __sync_fetch_and_add(&s->logged, 1);
+#endif
+        inflight.delete(&tid);
+        return 0;
+    }
+
+    if (!LOG_IDLE_POLLS && is_idle_poll(nr, ret)) {
+        if (s)
+            __sync_fetch_and_add(&s->idle, 1);
+        inflight.delete(&tid);
+        return 0;
+    }
+
+#if PROBE_SYSCALL
+    struct syscall_event *e = syscall_ring.ringbuf_reserve(sizeof(struct syscall_event));
+    if (!e) {
+        count_drop(RING_SYSCALL);
+        inflight.delete(&tid);
+        return 0;
+    }
+    e->ts = in->ts;
+    e->dur = dur;
+    e->pid = tgid;
+    e->tid = tid;
+    e->ret = ret;
+    #pragma unroll
+    for (int i = 0; i < 6; i++)
+        e->args[i] = in->args[i];
+    e->nr = nr;
+    e->cpu = bpf_get_smp_processor_id();
+    syscall_ring.ringbuf_submit(e, 0);
+    if (s)
+        __sync_fetch_and_add(&s->logged, 1);
+#endif
+    inflight.delete(&tid);
+    return 0;
+}
+
+/* Runs in the waker's context: if the waker is inside a futex wake, remember
+ * who woke whom so the wait can be joined to the wake that ended it. */
+TRACEPOINT_PROBE(sched, sched_waking)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct inflight_t *in = inflight.lookup(&tid);
+    if (!in || in->nr != NR_FUTEX || !futex_is_wake(futex_cmd(in->args[1])))
+        return 0;
+    u32 wakee = args->pid;
+    struct waker_t w = {.ts = in->ts, .tid = tid};
+    wakers.update(&wakee, &w);
+    return 0;
+}
+
+TRACEPOINT_PROBE(task, task_newtask)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!is_traced(tgid))
+        return 0;
+    u32 child = args->pid;
+    if (args->clone_flags & WATCH_CLONE_THREAD) {
+        emit_proc(PROC_THREAD, tgid, child, tgid, tid, 0, args->clone_flags);
+    } else {
+        u8 one = 1;
+        traced.update(&child, &one);
+        emit_proc(PROC_FORK, child, child, tgid, tid, 0, args->clone_flags);
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_execve)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!is_traced(tgid))
+        return 0;
+    int zero = 0;
+    struct exec_args_t *a = exec_scratch.lookup(&zero);
+    if (!a)
+        return 0;
+    const char *const *argv = (const char *const *)args->argv;
+    #pragma unroll
+    for (int i = 0; i < ARGV_SLOTS; i++) {
+        const char *p = 0;
+        a->argv[i][0] = 0;
+        if (argv && bpf_probe_read_user(&p, sizeof(p), &argv[i]) == 0 && p)
+            bpf_probe_read_user_str(a->argv[i], ARGV_SLOT_LEN, p);
+        else
+            argv = 0;
+    }
+    exec_args.update(&tid, a);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+#if PROBE_PROC
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!is_traced(tgid))
+        return 0;
+    struct proc_event *e = proc_ring.ringbuf_reserve(sizeof(struct proc_event));
+    if (!e) {
+        count_drop(RING_PROC);
+        return 0;
+    }
+    e->ts = bpf_ktime_get_ns();
+    e->kind = PROC_EXEC;
+    e->pid = tgid;
+    e->tid = tid;
+    e->ppid = 0;
+    e->ptid = args->old_pid;
+    e->code = 0;
+    e->flags = 0;
+    bpf_get_current_comm(&e->comm, sizeof(e->comm));
+    TP_DATA_LOC_READ_STR(e->filename, filename, sizeof(e->filename));
+    /* exec may run on another thread id (old_pid) than the one that called execve */
+    u32 caller = args->old_pid;
+    struct exec_args_t *a = exec_args.lookup(&caller);
+    if (a) {
+        bpf_probe_read_kernel(e->argv, sizeof(e->argv), a->argv);
+        exec_args.delete(&caller);
+    } else {
+        e->argv[0][0] = 0;
+    }
+    proc_ring.ringbuf_submit(e, 0);
+#endif
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!is_traced(tgid))
+        return 0;
+    inflight.delete(&tid);
+    exec_args.delete(&tid);
+    s32 status = -1;
+    u64 group_dead = args->group_dead ? 1 : 0;
+    if (group_dead) {
+        s32 *st = exit_status.lookup(&tgid);
+        if (st) {
+            status = *st;
+            exit_status.delete(&tgid);
+        }
+    }
+    emit_proc(PROC_EXIT, tgid, tid, 0, 0, status, group_dead);
+    if (group_dead)
+        traced.delete(&tgid);
+    return 0;
+}
+
+/* Fatal default-action signals, as in the kernel's sig_kernel_coredump/kill sets. */
+static __always_inline int default_fatal(int sig)
+{
+    return sig == 1 || sig == 2 || sig == 3 || sig == 4 || sig == 5 || sig == 6 ||
+           sig == 7 || sig == 8 || sig == 9 || sig == 10 || sig == 11 || sig == 12 ||
+           sig == 13 || sig == 14 || sig == 15 || sig == 16 || sig == 24 || sig == 25 ||
+           sig == 26 || sig == 27 || sig == 29 || sig == 30 || sig == 31 || sig >= 32;
+}
+
+TRACEPOINT_PROBE(signal, signal_generate)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    u32 target = args->pid;
+    /* Sent by a traced process, or to one (target is a tgid for kill(2)). */
+    if (!is_traced(tgid) && !is_traced(target))
+        return 0;
+#if PROBE_SIGNAL
+    struct signal_event *e = signal_ring.ringbuf_reserve(sizeof(struct signal_event));
+    if (!e) {
+        count_drop(RING_SIGNAL);
+        return 0;
+    }
+    e->ts = bpf_ktime_get_ns();
+    e->kind = SIGNAL_GENERATE;
+    e->sig = args->sig;
+    e->pid = tgid;
+    e->tid = tid;
+    e->target_tid = target;
+    e->code = args->code;
+    e->result = args->result;
+    e->group = args->group;
+    signal_ring.ringbuf_submit(e, 0);
+#endif
+    return 0;
+}
+
+TRACEPOINT_PROBE(signal, signal_deliver)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!is_traced(tgid))
+        return 0;
+    int sig = args->sig;
+    if (args->sa_handler == 0 && default_fatal(sig)) {
+        /* Default action kills the process: that is its exit status unless
+         * an exit_group already set one. */
+        s32 status = sig;
+        exit_status.insert(&tgid, &status);
+    }
+#if PROBE_SIGNAL
+    struct signal_event *e = signal_ring.ringbuf_reserve(sizeof(struct signal_event));
+    if (!e) {
+        count_drop(RING_SIGNAL);
+        return 0;
+    }
+    e->ts = bpf_ktime_get_ns();
+    e->kind = SIGNAL_DELIVER;
+    e->sig = sig;
+    e->pid = tgid;
+    e->tid = tid;
+    e->target_tid = tid;
+    e->code = args->code;
+    e->result = 0;
+    e->group = 0;
+    signal_ring.ringbuf_submit(e, 0);
+#endif
+    return 0;
+}

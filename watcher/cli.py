@@ -1,0 +1,184 @@
+"""The `watcher` command: thin wiring over the library.
+
+Every command builds a validated config object and calls the library; every
+failure is a WatcherError printed as one line with a nonzero exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import UsageError, WatcherError
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Watcher records every rank of a distributed PyTorch job with eBPF, into DuckDB "
+         "recordings you query with SQL.",
+)
+
+PROBES_HELP = "Comma-separated probe set: syscall,futex,proc,signal (default: all)."
+
+
+def _parse_size(text: Optional[str]) -> Optional[int]:
+    if text is None:
+        return None
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().rstrip("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise UsageError(f"bad size {text!r}: use e.g. 500M or 2G") from None
+
+
+def _default_out(label: str) -> Path:
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in label)[:32] or "rec"
+    return Path(f"watcher-{safe}-{time.strftime('%Y%m%d-%H%M%S')}.duckdb")
+
+
+def _session_config(out, probes, duration, max_size, ring_minutes, live, label):
+    from .session import SessionConfig
+
+    probe_list = tuple(p.strip() for p in probes.split(",") if p.strip()) if probes else None
+    kw = {}
+    if probe_list:
+        kw["probes"] = probe_list
+    return SessionConfig(out=Path(out) if out else _default_out(label), duration=duration,
+                         max_size=_parse_size(max_size), ring_minutes=ring_minutes, live=live, **kw)
+
+
+@app.command(epilog="Examples:\n\n  sudo watcher attach --pid 1234\n\n"
+                    "  sudo watcher attach --pid $(pgrep -f torchrun) --duration 60 --out hang.duckdb\n\n"
+                    "  sudo watcher attach --pid 1234 --ring-minutes 5   # flight recorder; kill -USR1 to dump")
+def attach(
+    pid: int = typer.Option(..., "--pid", "-p", help="Process to record, with its threads and children."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Recording file (.duckdb)."),
+    duration: Optional[float] = typer.Option(None, help="Stop after this many seconds."),
+    probes: Optional[str] = typer.Option(None, help=PROBES_HELP),
+    max_size: Optional[str] = typer.Option(None, help="Cap the recording (e.g. 500M); oldest events are pruned first."),
+    ring_minutes: Optional[float] = typer.Option(None, help="Flight recorder: keep only the last N minutes in memory; write on SIGUSR1 and at exit."),
+    live: bool = typer.Option(False, help="Show a live terminal view, refreshed every second."),
+):
+    """Record a running process tree until it exits or Ctrl-C."""
+    from .session import Session
+
+    cfg = _session_config(out, probes, duration, max_size, ring_minutes, live, f"pid{pid}")
+    Session(cfg).attach(pid)
+
+
+@app.command(epilog="Examples:\n\n  sudo watcher record -- python train.py\n\n"
+                    "  sudo watcher record --out run.duckdb -- torchrun --nproc_per_node=2 train.py")
+def record(
+    cmd: list[str] = typer.Argument(..., help="Command to launch and record, after --."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Recording file (.duckdb)."),
+    duration: Optional[float] = typer.Option(None, help="Stop recording after this many seconds (the command keeps running)."),
+    probes: Optional[str] = typer.Option(None, help=PROBES_HELP),
+    max_size: Optional[str] = typer.Option(None, help="Cap the recording (e.g. 500M); oldest events are pruned first."),
+    ring_minutes: Optional[float] = typer.Option(None, help="Flight recorder: keep only the last N minutes in memory."),
+    live: bool = typer.Option(False, help="Show a live terminal view, refreshed every second."),
+):
+    """Launch a command and record it from its first instruction. Exits with the command's exit code."""
+    from .session import Session
+
+    cfg = _session_config(out, probes, duration, max_size, ring_minutes, live, Path(cmd[0]).name)
+    result = Session(cfg).record(list(cmd))
+    raise typer.Exit(result.target_exit or 0)
+
+
+@app.command(epilog="Examples:\n\n  watcher sql run.duckdb \"SELECT * FROM top_syscall LIMIT 10\"\n\n"
+                    "  watcher sql node0.duckdb node1.duckdb \"SELECT recording, count(*) FROM syscall GROUP BY 1\"\n\n"
+                    "  echo 'SELECT * FROM blocked_thread' | watcher sql run.duckdb - --format json")
+def sql(
+    args: list[str] = typer.Argument(..., metavar="REC... [QUERY|-]",
+                                     help="One or more recordings, then the query ('-' reads it from stdin)."),
+    format: str = typer.Option("table", "--format", "-f", help="table, csv or json."),
+):
+    """Run SQL over one or more recordings as one database."""
+    from .query import format_rows, split_recordings_and_query
+    from .store import Recordings
+
+    if format not in ("table", "csv", "json"):
+        raise UsageError(f"unknown --format {format!r}: use table, csv or json")
+    paths, query = split_recordings_and_query(args, sys.stdin)
+    with Recordings(paths) as recs:
+        cols, rows = recs.query(query)
+    sys.stdout.write(format_rows(cols, rows, format))
+
+
+@app.command()
+def info(rec: list[str] = typer.Argument(..., help="Recording(s) to summarise.")):
+    """Summarise a recording: target, time span, events per table, drops, processes."""
+    from .query import summarise
+    from .store import Recordings
+
+    with Recordings(rec) as recs:
+        sys.stdout.write(summarise(recs))
+
+
+@app.command()
+def check(pid: Optional[int] = typer.Option(None, "--pid", help="Also look for libtorch/libcudart/libnccl in this process.")):
+    """Readiness check: kernel, BTF, tracefs, bcc, privileges, libraries, GPUs; names the fix for each failure."""
+    from .readiness import run_checks
+
+    results = run_checks(pid)
+    width = max(len(r.name) for r in results)
+    for r in results:
+        mark = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}[r.status]
+        line = f"[{mark}] {r.name:<{width}}  {r.detail}"
+        if r.fix and r.status != "ok":
+            line += f"\n       fix: {r.fix}"
+        print(line)
+    if any(r.status == "fail" for r in results):
+        raise typer.Exit(1)
+
+
+@app.command()
+def schema(markdown: bool = typer.Option(True, help="Print docs/schema.md.")):
+    """Print the recording schema (tables, columns and views, with their docs)."""
+    from .schema import markdown as md
+
+    sys.stdout.write(md())
+
+
+@app.command()
+def demo(
+    steps: int = typer.Option(30, help="Training steps of the reference workload."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Recording file."),
+):
+    """Record the bundled reference workload (2-rank DDP over gloo) and show what was captured."""
+    from .demo import run_demo
+
+    raise typer.Exit(run_demo(steps, Path(out) if out else _default_out("demo")))
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except WatcherError as e:
+        print(f"watcher: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # typer/click usage errors and exits
+        code = getattr(e, "exit_code", None)
+        if code is not None and type(e).__name__ == "Exit":
+            sys.exit(code)
+        show = getattr(e, "show", None)
+        if show is not None and hasattr(e, "format_message"):
+            print(f"watcher: {e.format_message()}", file=sys.stderr)
+            sys.exit(2)
+        if type(e).__name__ == "Abort":
+            sys.exit(130)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The recording schema, declared once.
+
+Every table and column is declared here with its doc string.  The DuckDB DDL,
+docs/schema.md and the checks in tests/test_schema.py are all generated from
+these declarations, so a column cannot exist undocumented.
+
+Conventions (after Perfetto's trace processor): singular snake_case table
+names; `ts` and `dur` are integer nanoseconds on CLOCK_MONOTONIC; processes and
+threads are referred to by surrogate ids `upid` and `utid`, because raw pids
+and tids are recycled; foreign keys are named after the table they point to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str
+    doc: str
+    # A surrogate id (or reference to one); shifted apart when several
+    # recordings are queried as one database.
+    surrogate: bool = False
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    doc: str
+    columns: tuple[Column, ...]
+
+    def ddl(self) -> str:
+        cols = ",\n  ".join(f"{c.name} {c.type}" for c in self.columns)
+        return f"CREATE TABLE IF NOT EXISTS {self.name} (\n  {cols}\n);"
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+
+@dataclass(frozen=True)
+class View:
+    name: str
+    doc: str
+    sql: str
+    columns: dict[str, str] = field(default_factory=dict)
+
+
+def C(name: str, type: str, doc: str, surrogate: bool = False) -> Column:
+    return Column(name, type, doc, surrogate)
+
+
+TS = "BIGINT"
+
+TABLES: tuple[Table, ...] = (
+    Table("meta", "Key/value facts about the recording: versions, host, target, probes, totals.", (
+        C("key", "VARCHAR", "Name of the fact, e.g. schema_version, target_pid, start_ts."),
+        C("value", "VARCHAR", "Its value, as text."),
+    )),
+    Table("process", "One row per process seen in the traced tree (a recycled pid gets a new row).", (
+        C("upid", "INTEGER", "Surrogate process id, unique within the recording.", True),
+        C("pid", "INTEGER", "Kernel process id (tgid)."),
+        C("parent_upid", "INTEGER", "upid of the parent process, NULL for the root of the recording.", True),
+        C("ppid", "INTEGER", "Kernel pid of the parent at fork (or at attach)."),
+        C("name", "VARCHAR", "Command name (comm) after the last exec."),
+        C("cmdline", "VARCHAR", "Arguments of the last exec, space separated (first 12, each cut at 63 bytes)."),
+        C("exe", "VARCHAR", "Filename passed to the last exec."),
+        C("start_ts", TS, "Fork time, or when recording started for processes that already existed."),
+        C("end_ts", TS, "Time the whole process exited, NULL while alive."),
+        C("exit_code", "INTEGER", "Exit code when it exited normally, else NULL."),
+        C("exit_signal", "INTEGER", "Signal number that killed it, else NULL."),
+        C("rank", "INTEGER", "torch.distributed RANK from the process environment, NULL when not a rank."),
+    )),
+    Table("thread", "One row per thread seen in the traced tree.", (
+        C("utid", "INTEGER", "Surrogate thread id, unique within the recording.", True),
+        C("tid", "INTEGER", "Kernel thread id."),
+        C("upid", "INTEGER", "Process the thread belongs to.", True),
+        C("name", "VARCHAR", "Thread name (comm), as last read."),
+        C("start_ts", TS, "Clone time, or when recording started for threads that already existed."),
+        C("end_ts", TS, "Exit time, NULL while alive."),
+        C("is_main_thread", "BOOLEAN", "True for the thread whose tid equals its process's pid."),
+    )),
+    Table("syscall", "One completed system call (futex calls are in `futex`; idle poll timeouts only in `syscall_stat`).", (
+        C("ts", TS, "Entry time."),
+        C("dur", TS, "Time from entry to return."),
+        C("utid", "INTEGER", "Calling thread.", True),
+        C("upid", "INTEGER", "Calling process.", True),
+        C("nr", "INTEGER", "x86_64 syscall number."),
+        C("name", "VARCHAR", "Syscall name."),
+        C("ret", "BIGINT", "Return value; negative values are -errno."),
+        C("arg0", "UBIGINT", "First raw argument."),
+        C("arg1", "UBIGINT", "Second raw argument."),
+        C("arg2", "UBIGINT", "Third raw argument."),
+        C("arg3", "UBIGINT", "Fourth raw argument."),
+        C("arg4", "UBIGINT", "Fifth raw argument."),
+        C("arg5", "UBIGINT", "Sixth raw argument."),
+        C("cpu", "INTEGER", "CPU the call returned on."),
+    )),
+    Table("futex", "Futex waits, and futex wakes that woke at least one waiter.", (
+        C("futex_id", "BIGINT", "Row id, unique within the recording."),
+        C("ts", TS, "Entry time of the futex call."),
+        C("dur", TS, "Time in the call; for a wait, the time blocked."),
+        C("utid", "INTEGER", "Calling thread.", True),
+        C("upid", "INTEGER", "Calling process.", True),
+        C("kind", "VARCHAR", "'wait' or 'wake'."),
+        C("op", "INTEGER", "Raw futex op, flags included."),
+        C("op_name", "VARCHAR", "Futex command name, e.g. FUTEX_WAIT_BITSET."),
+        C("uaddr", "UBIGINT", "Futex word address in the caller's address space."),
+        C("val", "BIGINT", "The val argument (expected value for waits, count for wakes)."),
+        C("timeout_ns", TS, "Wait timeout in ns as passed (relative or absolute per op), NULL if none."),
+        C("ret", "BIGINT", "Return value: waits 0 or -errno (-110 ETIMEDOUT, -11 EAGAIN); wakes the number woken."),
+        C("waker_utid", "INTEGER", "Waits: the thread whose wake ended this wait, NULL if none (timeout, signal).", True),
+        C("wake_ts", TS, "Waits: entry ts of that wake call; joins to futex.ts of the wake row."),
+    )),
+    Table("signal", "Signals generated by or sent to traced processes, and their deliveries.", (
+        C("ts", TS, "Time of the event."),
+        C("kind", "VARCHAR", "'generate' (sent) or 'deliver' (taken by the target thread)."),
+        C("signo", "INTEGER", "Signal number."),
+        C("name", "VARCHAR", "Signal name, e.g. SIGTERM."),
+        C("utid", "INTEGER", "Thread the event ran on: the sender for generate, the receiver for deliver.", True),
+        C("upid", "INTEGER", "Process of that thread, NULL if it is not traced.", True),
+        C("sender_pid", "INTEGER", "Kernel pid of the sending process (generate) or receiving process (deliver)."),
+        C("target_tid", "INTEGER", "Kernel id of the target task (a pid for kill(2), a tid for tgkill(2))."),
+        C("target_utid", "INTEGER", "The target as a traced thread, when known.", True),
+        C("code", "INTEGER", "si_code (0 SI_USER from kill, -6 SI_TKILL, positive from the kernel)."),
+        C("result", "INTEGER", "Generate: 0 delivered, 1 ignored, 2 already pending, 3 overflow, 4 lose info."),
+    )),
+    Table("syscall_stat", "Exact per-thread per-syscall totals, including calls that were counted but not logged.", (
+        C("utid", "INTEGER", "Thread.", True),
+        C("upid", "INTEGER", "Process.", True),
+        C("nr", "INTEGER", "Syscall number."),
+        C("name", "VARCHAR", "Syscall name."),
+        C("count", "BIGINT", "Every completed call."),
+        C("dur_total", TS, "Sum of the durations of every call."),
+        C("logged", "BIGINT", "Calls written as rows (to `syscall` or `futex`), before any drop."),
+        C("idle_skipped", "BIGINT", "Idle poll/epoll/select timeouts returning 0, counted but not logged."),
+    )),
+    Table("inflight_syscall", "Threads inside a system call when the recording was last flushed: where each thread is blocked.", (
+        C("snapshot_ts", TS, "When the kernel's in-flight table was read."),
+        C("utid", "INTEGER", "Thread.", True),
+        C("upid", "INTEGER", "Process.", True),
+        C("nr", "INTEGER", "Syscall number."),
+        C("name", "VARCHAR", "Syscall name."),
+        C("ts", TS, "Entry time of the call still in progress."),
+        C("arg0", "UBIGINT", "First raw argument (fd, futex address, ...)."),
+        C("arg1", "UBIGINT", "Second raw argument (futex op, buffer, ...)."),
+    )),
+    Table("ring_drop", "Per-ring, per-CPU counts of records the kernel could not queue (ring full).", (
+        C("ring", "VARCHAR", "Ring name: syscall, futex, proc or signal."),
+        C("cpu", "INTEGER", "CPU."),
+        C("drops", "BIGINT", "Records dropped on that CPU."),
+    )),
+    Table("prune", "Data removed to respect --max-size or --ring-minutes; what is missing, never silently.", (
+        C("ts", TS, "When the prune happened."),
+        C("table_name", "VARCHAR", "Table rows were removed from."),
+        C("before_ts", TS, "Every row with ts earlier than this was removed."),
+        C("rows", "BIGINT", "Rows removed."),
+    )),
+)
+
+TABLE_BY_NAME = {t.name: t for t in TABLES}
+
+
+def _views() -> tuple[View, ...]:
+    from importlib.resources import files
+
+    text = files("watcher.analysis").joinpath("views.sql").read_text()
+    views = []
+    for block in text.split("\n-- view: ")[1:]:
+        header, _, body = block.partition("\n")
+        name, _, doc = header.partition(" -- ")
+        cols = {}
+        sql_lines = []
+        for line in body.splitlines():
+            if line.startswith("-- column: "):
+                cname, _, cdoc = line[len("-- column: "):].partition(" -- ")
+                cols[cname.strip()] = cdoc.strip()
+            else:
+                sql_lines.append(line)
+        views.append(View(name.strip(), doc.strip(), "\n".join(sql_lines).strip().rstrip(";"), cols))
+    return tuple(views)
+
+
+VIEWS: tuple[View, ...] = _views()
+
+
+def create_statements() -> list[str]:
+    return [t.ddl() for t in TABLES]
+
+
+def view_statements() -> list[str]:
+    return [f"CREATE OR REPLACE VIEW {v.name} AS\n{v.sql}" for v in VIEWS]
+
+
+def markdown() -> str:
+    """docs/schema.md, generated."""
+    out = [
+        "# Recording schema",
+        "",
+        f"Schema version {SCHEMA_VERSION}. Generated from `watcher/schema.py` by "
+        "`watcher schema --markdown`; do not edit by hand.",
+        "",
+        "`ts` and `dur` are nanoseconds on CLOCK_MONOTONIC. `upid`/`utid` are surrogate ids "
+        "(pids and tids are recycled).",
+        "",
+        "## Tables",
+        "",
+    ]
+    for t in TABLES:
+        out += [f"### `{t.name}`", "", t.doc, "", "| column | type | meaning |", "|---|---|---|"]
+        out += [f"| `{c.name}` | {c.type} | {c.doc} |" for c in t.columns]
+        out.append("")
+    out += ["## Views", ""]
+    for v in VIEWS:
+        out += [f"### `{v.name}`", "", v.doc, "", "| column | meaning |", "|---|---|"]
+        out += [f"| `{k}` | {d} |" for k, d in v.columns.items()]
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,326 @@
+"""Recording files: one DuckDB database per recording.
+
+Writing: every flush is one transaction, so a collector killed at any moment
+leaves a database that opens with everything up to its last flush (DuckDB
+replays its WAL on open).  Files are created with mode 0600.
+
+Reading: `open_recordings` attaches one or more recordings read-only into one
+in-memory database and exposes each table as a view over the union, with
+surrogate ids shifted apart so joins never mix processes of two recordings.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import duckdb
+import numpy as np
+
+from . import schema
+from .errors import RecordingError
+from .syscall_names import SYSCALL_NAMES
+
+FUTEX_CMD_NAMES = {
+    0: "FUTEX_WAIT", 1: "FUTEX_WAKE", 2: "FUTEX_FD", 3: "FUTEX_REQUEUE", 4: "FUTEX_CMP_REQUEUE",
+    5: "FUTEX_WAKE_OP", 6: "FUTEX_LOCK_PI", 7: "FUTEX_UNLOCK_PI", 8: "FUTEX_TRYLOCK_PI",
+    9: "FUTEX_WAIT_BITSET", 10: "FUTEX_WAKE_BITSET", 11: "FUTEX_WAIT_REQUEUE_PI",
+    12: "FUTEX_CMP_REQUEUE_PI", 13: "FUTEX_LOCK_PI2",
+}
+
+# Ids of two recordings queried together are shifted by this much apiece.
+ID_STRIDE = 1 << 24
+
+
+def _signal_names() -> dict[int, str]:
+    import signal
+
+    names = {int(s): s.name for s in signal.Signals if not s.name.startswith("SIG_")}
+    return names
+
+
+class RecordingWriter:
+    def __init__(self, path: str | os.PathLike, in_memory: bool = False):
+        self.path = Path(path)
+        if not in_memory:
+            self._create_file(self.path)
+        self.con = duckdb.connect(":memory:" if in_memory else str(self.path))
+        for stmt in schema.create_statements():
+            self.con.execute(stmt)
+        for stmt in schema.view_statements():
+            self.con.execute(stmt)
+        # Lookup tables live in the temp schema: joined at insert time, never stored.
+        self.con.execute("CREATE TEMP TABLE _syscall_name(nr INTEGER, name VARCHAR)")
+        self.con.executemany("INSERT INTO _syscall_name VALUES (?, ?)", list(SYSCALL_NAMES.items()))
+        self.con.execute("CREATE TEMP TABLE _futex_cmd(cmd INTEGER, name VARCHAR)")
+        self.con.executemany("INSERT INTO _futex_cmd VALUES (?, ?)", list(FUTEX_CMD_NAMES.items()))
+        self.con.execute("CREATE TEMP TABLE _signal_name(signo INTEGER, name VARCHAR)")
+        self.con.executemany("INSERT INTO _signal_name VALUES (?, ?)", list(_signal_names().items()))
+        self.next_futex_id = 0
+        if not in_memory:
+            self._private()
+
+    @staticmethod
+    def _create_file(path: Path) -> None:
+        if path.exists():
+            raise RecordingError(f"{path} already exists; choose another --out or remove it")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except OSError as e:
+            raise RecordingError(f"cannot write {path}: {e.strerror}") from None
+        os.close(fd)
+        os.unlink(path)  # DuckDB creates it; we only proved it can be written
+
+    # -- meta ---------------------------------------------------------------
+    def set_meta(self, **facts) -> None:
+        for k, v in facts.items():
+            self.con.execute("DELETE FROM meta WHERE key = ?", [k])
+            self.con.execute("INSERT INTO meta VALUES (?, ?)", [k, None if v is None else str(v)])
+
+    # -- batched appends -----------------------------------------------------
+    def begin(self) -> None:
+        self.con.execute("BEGIN TRANSACTION")
+
+    def commit(self) -> None:
+        self.con.execute("COMMIT")
+        self._private()
+
+    def _private(self) -> None:
+        # Recordings hold arguments and paths of the traced job: owner-only.
+        for p in (self.path, Path(str(self.path) + ".wal")):
+            try:
+                os.chmod(p, 0o600)
+            except OSError:
+                pass
+
+    def _insert(self, table: str, batch: dict[str, np.ndarray], select: str) -> None:
+        self.con.register("_batch", batch)
+        try:
+            self.con.execute(f"INSERT INTO {table} {select}")
+        finally:
+            self.con.unregister("_batch")
+
+    def append_syscalls(self, ts, dur, utid, upid, nr, ret, args, cpu) -> None:
+        if len(ts) == 0:
+            return
+        batch = {"ts": ts.astype(np.int64), "dur": dur.astype(np.int64), "utid": utid,
+                 "upid": upid, "nr": nr.astype(np.int32), "ret": ret, "cpu": cpu.astype(np.int32)}
+        for i in range(6):
+            batch[f"arg{i}"] = np.ascontiguousarray(args[:, i])
+        self._insert("syscall", batch,
+                     "SELECT b.ts, b.dur, b.utid, b.upid, b.nr, "
+                     "coalesce(n.name, 'syscall_' || b.nr), b.ret, b.arg0, b.arg1, b.arg2, "
+                     "b.arg3, b.arg4, b.arg5, b.cpu FROM _batch b LEFT JOIN _syscall_name n USING (nr)")
+
+    def append_futex(self, ev: np.ndarray, utid, upid, waker_utid) -> None:
+        n = len(ev)
+        if n == 0:
+            return
+        ids = np.arange(self.next_futex_id, self.next_futex_id + n, dtype=np.int64)
+        self.next_futex_id += n
+        batch = {"futex_id": ids, "ts": ev["ts"].astype(np.int64), "dur": ev["dur"].astype(np.int64),
+                 "utid": utid, "upid": upid, "kind": ev["kind"].astype(np.int32),
+                 "op": ev["op"].astype(np.int32), "uaddr": ev["uaddr"],
+                 "val": ev["val"].astype(np.int64), "timeout_ns": ev["timeout_ns"],
+                 "ret": ev["ret"], "waker_utid": waker_utid, "wake_ts": ev["wake_ts"].astype(np.int64)}
+        self._insert("futex", batch,
+                     "SELECT b.futex_id, b.ts, b.dur, b.utid, b.upid, "
+                     "CASE b.kind WHEN 1 THEN 'wait' ELSE 'wake' END, b.op, "
+                     "coalesce(c.name, 'FUTEX_' || (b.op & 127)), b.uaddr, b.val, "
+                     "CASE WHEN b.timeout_ns < 0 THEN NULL ELSE b.timeout_ns END, b.ret, "
+                     "CASE WHEN b.waker_utid < 0 THEN NULL ELSE b.waker_utid END, "
+                     "CASE WHEN b.waker_utid < 0 THEN NULL ELSE b.wake_ts END "
+                     "FROM _batch b LEFT JOIN _futex_cmd c ON c.cmd = (b.op & 127)")
+
+    def append_signals(self, ev: np.ndarray, utid, upid, target_utid) -> None:
+        if len(ev) == 0:
+            return
+        batch = {"ts": ev["ts"].astype(np.int64), "kind": ev["kind"].astype(np.int32),
+                 "signo": ev["sig"].astype(np.int32), "utid": utid, "upid": upid,
+                 "sender_pid": ev["pid"].astype(np.int32), "target_tid": ev["target_tid"].astype(np.int32),
+                 "target_utid": target_utid, "code": ev["code"].astype(np.int32),
+                 "result": ev["result"].astype(np.int32)}
+        self._insert("signal", batch,
+                     "SELECT b.ts, CASE b.kind WHEN 1 THEN 'generate' ELSE 'deliver' END, b.signo, "
+                     "coalesce(s.name, 'SIG' || b.signo), b.utid, "
+                     "CASE WHEN b.upid < 0 THEN NULL ELSE b.upid END, b.sender_pid, b.target_tid, "
+                     "CASE WHEN b.target_utid < 0 THEN NULL ELSE b.target_utid END, b.code, "
+                     "CASE WHEN b.kind = 1 THEN b.result ELSE NULL END "
+                     "FROM _batch b LEFT JOIN _signal_name s USING (signo)")
+
+    def replace_rows(self, table: str, rows: list[tuple]) -> None:
+        """Rewrite a small mutable table (process, thread, stats) in full."""
+        self.con.execute(f"DELETE FROM {table}")
+        if rows:
+            cols = schema.TABLE_BY_NAME[table].column_names
+            batch = {c: [r[i] for r in rows] for i, c in enumerate(cols)}
+            self.con.register("_rows", _as_frame(batch))
+            try:
+                self.con.execute(f"INSERT INTO {table} SELECT {', '.join(cols)} FROM _rows")
+            finally:
+                self.con.unregister("_rows")
+
+    def replace_syscall_stats(self, stats: np.ndarray, utid, upid) -> None:
+        self.con.execute("DELETE FROM syscall_stat")
+        if len(stats) == 0:
+            return
+        batch = {"utid": utid, "upid": upid, "nr": stats["nr"].astype(np.int32),
+                 "count": stats["count"].astype(np.int64), "dur": stats["dur"].astype(np.int64),
+                 "logged": stats["logged"].astype(np.int64), "idle": stats["idle"].astype(np.int64)}
+        self._insert("syscall_stat", batch,
+                     "SELECT b.utid, b.upid, b.nr, coalesce(n.name, 'syscall_' || b.nr), b.count, "
+                     "b.dur, b.logged, b.idle FROM _batch b LEFT JOIN _syscall_name n USING (nr)")
+
+    def size_bytes(self) -> int:
+        total = 0
+        for p in (self.path, Path(str(self.path) + ".wal")):
+            try:
+                total += p.stat().st_size
+            except OSError:
+                pass
+        return total
+
+    def close(self) -> None:
+        try:
+            self.con.execute("CHECKPOINT")
+        finally:
+            self.con.close()
+        try:
+            os.chmod(self.path, 0o600)
+        except OSError:
+            pass
+
+
+def _as_frame(columns: dict[str, list]):
+    """A list-of-values dict DuckDB can scan: numpy object arrays keep NULLs."""
+    return {k: np.array(v, dtype=object) for k, v in columns.items()}
+
+
+# ---------------------------------------------------------------------------
+# Reading
+
+
+def read_meta(con: duckdb.DuckDBPyConnection, catalog: str | None = None) -> dict[str, str]:
+    prefix = f"{catalog}." if catalog else ""
+    return dict(con.execute(f"SELECT key, value FROM {prefix}meta").fetchall())
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise RecordingError(f"{path}: no such recording")
+    if path.is_dir():
+        found = sorted(path.glob("*.duckdb"))
+        if not found:
+            raise RecordingError(f"{path}: directory holds no .duckdb recording")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if len(head) < 12 or head[8:12] != b"DUCK":
+        raise RecordingError(f"{path}: not a Watcher recording (corrupt or truncated file)")
+
+
+def _attachable(path: Path, tmpdir: Path) -> Path:
+    """A path DuckDB can attach read-only.  A recording still being written
+    (locked, or with a WAL not yet checkpointed) is copied first, so queries
+    see everything flushed so far without disturbing the writer."""
+    wal = Path(str(path) + ".wal")
+    if not wal.exists():
+        return path
+    copy = tmpdir / path.name
+    shutil.copyfile(path, copy)
+    shutil.copyfile(wal, Path(str(copy) + ".wal"))
+    # Replay the WAL once, in the copy.
+    try:
+        duckdb.connect(str(copy)).close()
+    except duckdb.Error as e:
+        raise RecordingError(f"{path}: corrupt or truncated recording ({_one_line(e)})") from None
+    return copy
+
+
+def _one_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def expand(paths: list[str | os.PathLike]) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(p.glob("*.duckdb"))
+        else:
+            out.append(p)
+    return out
+
+
+class Recordings:
+    """One or more recordings attached into one in-memory database."""
+
+    def __init__(self, paths: list[str | os.PathLike]):
+        self.paths = expand(paths)
+        if not self.paths:
+            raise RecordingError("no recording given")
+        self._tmp = Path(tempfile.mkdtemp(prefix="watcher-read-"))
+        self.con = duckdb.connect(":memory:")
+        self.metas: list[dict[str, str]] = []
+        try:
+            for i, path in enumerate(self.paths):
+                _check_file(path)
+                (self._tmp / str(i)).mkdir()
+                src = _attachable(path, self._tmp / str(i))
+                try:
+                    self.con.execute(f"ATTACH '{src}' AS rec{i} (READ_ONLY)")
+                    meta = read_meta(self.con, f"rec{i}")
+                except duckdb.Error as e:
+                    raise RecordingError(f"{path}: corrupt or truncated recording ({_one_line(e)})") from None
+                version = meta.get("schema_version")
+                if version is None or not version.isdigit():
+                    raise RecordingError(f"{path}: recording has no schema version")
+                if int(version) > schema.SCHEMA_VERSION:
+                    raise RecordingError(
+                        f"{path}: unknown schema version {version} (this watcher reads up to "
+                        f"{schema.SCHEMA_VERSION}); upgrade watcher")
+                self.metas.append(meta)
+            self._union_views()
+        except Exception:
+            self.close()
+            raise
+
+    def _union_views(self) -> None:
+        n = len(self.paths)
+        for t in schema.TABLES:
+            parts = []
+            for i in range(n):
+                cols = []
+                for c in t.columns:
+                    if c.surrogate and n > 1:
+                        cols.append(f"{c.name} + {i * ID_STRIDE} AS {c.name}")
+                    else:
+                        cols.append(c.name)
+                if n > 1:
+                    cols.append(f"{i} AS recording")
+                parts.append(f"SELECT {', '.join(cols)} FROM rec{i}.{t.name}")
+            self.con.execute(f"CREATE TEMP VIEW {t.name} AS " + " UNION ALL ".join(parts))
+        for v in schema.VIEWS:
+            self.con.execute(f"CREATE TEMP VIEW {v.name} AS {v.sql}")
+
+    def query(self, sql: str):
+        from .errors import QueryError
+
+        try:
+            cur = self.con.execute(sql)
+            cols = [d[0] for d in cur.description] if cur.description else []
+            return cols, cur.fetchall()
+        except duckdb.Error as e:
+            raise QueryError(f"SQL error: {_one_line(e)}") from None
+
+    def close(self) -> None:
+        try:
+            self.con.close()
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
