@@ -161,7 +161,8 @@ def demo(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        # Without standalone mode, typer returns the code of typer.Exit.
+        code = app(standalone_mode=False)
     except WatcherError as e:
         print(f"watcher: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
@@ -178,6 +179,7 @@ def main() -> None:
         if type(e).__name__ == "Abort":
             sys.exit(130)
         raise
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

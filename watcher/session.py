@@ -49,7 +49,13 @@ class SessionConfig:
         if self.ring_minutes is not None and self.max_size is not None:
             raise UsageError("--ring-minutes and --max-size cannot be combined: ring mode keeps "
                              "the last minutes in memory and writes them out once")
-        if self.out.exists():
+
+    def validate_output(self) -> None:
+        try:
+            exists = self.out.exists()
+        except OSError as e:
+            raise RecordingError(f"cannot write {self.out}: {e.strerror}") from None
+        if exists:
             raise RecordingError(f"{self.out} already exists; choose another --out or remove it")
         parent = self.out.parent if str(self.out.parent) else Path(".")
         if not parent.is_dir():
@@ -107,6 +113,9 @@ def _ppid(pid: int) -> int | None:
 class Session:
     def __init__(self, config: SessionConfig):
         config.validate()
+        require_bcc()
+        require_bpf_privileges()
+        config.validate_output()
         self.config = config
         self.recorder = None
         self.collector: Collector | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -207,17 +208,38 @@ def read_meta(con: duckdb.DuckDBPyConnection, catalog: str | None = None) -> dic
     return dict(con.execute(f"SELECT key, value FROM {prefix}meta").fetchall())
 
 
+HEADER_SIZE = 4096
+
+
+def expected_size(head: bytes) -> int | None:
+    """Bytes a DuckDB file must have, from the newer of its two database headers
+    (checksum, iteration, meta block, free list, block count, block size...)."""
+    best = None
+    for off in (HEADER_SIZE, 2 * HEADER_SIZE):
+        if len(head) < off + 48:
+            return None
+        _, iteration, _, _, blocks, block_size = struct.unpack_from("<QQqqQQ", head, off)
+        if best is None or iteration > best[0]:
+            best = (iteration, blocks, block_size)
+    _, blocks, block_size = best
+    if block_size == 0 or block_size > 1 << 30 or blocks > 1 << 40:
+        return None
+    return 3 * HEADER_SIZE + blocks * block_size
+
+
 def _check_file(path: Path) -> None:
     if not path.exists():
         raise RecordingError(f"{path}: no such recording")
-    if path.is_dir():
-        found = sorted(path.glob("*.duckdb"))
-        if not found:
-            raise RecordingError(f"{path}: directory holds no .duckdb recording")
     with open(path, "rb") as f:
-        head = f.read(16)
+        head = f.read(3 * HEADER_SIZE)
     if len(head) < 12 or head[8:12] != b"DUCK":
         raise RecordingError(f"{path}: not a Watcher recording (corrupt or truncated file)")
+    want = expected_size(head)
+    if want is None:
+        raise RecordingError(f"{path}: corrupt recording (unreadable database header)")
+    have = path.stat().st_size
+    if have < want:
+        raise RecordingError(f"{path}: truncated recording ({have:,} of {want:,} bytes)")
 
 
 def _attachable(path: Path, tmpdir: Path) -> Path:

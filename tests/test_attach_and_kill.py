@@ -1,0 +1,102 @@
+"""`watcher attach` on a running process, and a SIGKILLed collector."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from .conftest import ROOT, needs_bpf, query, watcher
+
+pytestmark = needs_bpf
+
+# Waits for "go" on stdin, forks a child, and both do a known number of getppid.
+TARGET = textwrap.dedent("""
+    import os, sys
+    sys.stdin.readline()
+    pid = os.fork()
+    n = 3000 if pid == 0 else 5000
+    for _ in range(n):
+        os.getppid()
+    if pid == 0:
+        os._exit(4)
+    os.waitpid(pid, 0)
+""")
+
+
+def _start_watcher(args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "watcher.cli", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _wait_for(stream, needle: str, timeout: float = 60) -> str:
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        seen += line
+        if needle in line:
+            return seen
+        if not line:
+            break
+    raise AssertionError(f"never saw {needle!r}; got {seen!r}")
+
+
+def test_attach_records_process_and_future_children_then_ends_itself(tmp_path):
+    target = subprocess.Popen([sys.executable, "-c", TARGET], stdin=subprocess.PIPE, text=True)
+    out = tmp_path / "attach.duckdb"
+    w = _start_watcher(["attach", "--pid", str(target.pid), "--out", str(out)])
+    try:
+        banner = _wait_for(w.stderr, "Ctrl-C to stop")
+        assert f"Recording PID {target.pid}" in banner
+        target.stdin.write("go\n")
+        target.stdin.flush()
+        assert target.wait(60) == 0
+        # the target exiting ends the recording by itself
+        assert w.wait(60) == 0
+        summary = w.stderr.read()
+        assert "Recorded" in summary and "0 dropped" in summary
+    finally:
+        target.kill()
+        w.kill()
+    rows = dict(query(out, "SELECT p.pid, count(*) FROM syscall s JOIN process p USING (upid) "
+                           "WHERE s.name = 'getppid' GROUP BY p.pid"))
+    child = [pid for pid in rows if pid != target.pid]
+    assert rows[target.pid] == 5000
+    assert len(child) == 1 and rows[child[0]] == 3000
+    [(code,)] = query(out, f"SELECT exit_code FROM process WHERE pid = {child[0]}")
+    assert code == 4
+    assert dict(query(out, "SELECT key, value FROM meta"))["mode"] == "attach"
+
+
+def test_sigkilled_collector_leaves_a_readable_recording_and_the_target_runs_on(tmp_path):
+    done = tmp_path / "done"
+    script = textwrap.dedent(f"""
+        import os, time
+        end = time.monotonic() + 4
+        n = 0
+        while time.monotonic() < end:
+            os.getppid(); n += 1
+            time.sleep(0.0005)
+        open({str(done)!r}, "w").write(str(n))
+    """)
+    out = tmp_path / "killed.duckdb"
+    w = _start_watcher(["record", "--out", str(out), "--", sys.executable, "-c", script],
+                       start_new_session=True)
+    _wait_for(w.stderr, "Recording")
+    time.sleep(2.5)
+    os.kill(w.pid, signal.SIGKILL)
+    w.wait(10)
+    # Fail open: the traced job is untouched and finishes its work.
+    deadline = time.monotonic() + 30
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert done.exists(), "the target did not survive the collector's death"
+    # Readable, through watcher and directly, with at most the last flush lost.
+    res = watcher("sql", str(out), "SELECT count(*) AS n FROM syscall WHERE name = 'getppid'",
+                  "--format", "csv", check=True)
+    n = int(res.stdout.splitlines()[1])
+    assert n > 500
+    info = watcher("info", str(out), check=True)
+    assert "INCOMPLETE" in info.stdout

@@ -1,0 +1,72 @@
+"""Syscalls recorded by the real eBPF programs, matched against exact ground truth."""
+
+import json
+import textwrap
+
+from .conftest import needs_bpf, query, record
+
+pytestmark = needs_bpf
+
+GETPPID_STORM = textwrap.dedent("""
+    import os, select
+    for _ in range(10_000):
+        os.getppid()
+    # 50 idle polls that time out at once: counted exactly, never logged.
+    p = select.poll()
+    r, w = os.pipe()
+    p.register(r, select.POLLIN)
+    for _ in range(50):
+        p.poll(0)
+    # one poll that returns ready: logged
+    os.write(w, b"x")
+    p.poll(0)
+    raise SystemExit(7)
+""")
+
+
+def test_exactly_10000_getppid_are_recorded(tmp_path, py):
+    out = tmp_path / "rec.duckdb"
+    proc = record(out, py, "-c", GETPPID_STORM)
+    assert proc.returncode == 7, proc.stderr  # record exits with the command's code
+    [(rows,)] = query(out, "SELECT count(*) FROM syscall WHERE name = 'getppid'")
+    assert rows == 10_000
+    [(count, logged)] = query(out, "SELECT sum(count), sum(logged) FROM syscall_stat WHERE name = 'getppid'")
+    assert (count, logged) == (10_000, 10_000)
+    # each getppid returned the recording's pid
+    [(distinct_ret,)] = query(out, "SELECT count(DISTINCT ret) FROM syscall WHERE name = 'getppid'")
+    assert distinct_ret == 1
+    [(drops,)] = query(out, "SELECT coalesce(sum(drops), 0) FROM ring_drop")
+    assert drops == 0
+
+
+def test_idle_polls_are_counted_not_logged(tmp_path, py):
+    out = tmp_path / "rec.duckdb"
+    assert record(out, py, "-c", GETPPID_STORM).returncode == 7
+    [(count, idle, logged)] = query(
+        out, "SELECT sum(count), sum(idle_skipped), sum(logged) FROM syscall_stat WHERE name = 'poll'")
+    assert (count, idle, logged) == (51, 50, 1)
+    assert query(out, "SELECT ret FROM syscall WHERE name = 'poll'") == [(1,)]
+
+
+def test_meta_describes_the_recording(tmp_path, py):
+    out = tmp_path / "rec.duckdb"
+    assert record(out, py, "-c", "pass").returncode == 0
+    meta = dict(query(out, "SELECT key, value FROM meta"))
+    assert meta["schema_version"] == "1"
+    assert meta["complete"] == "true"
+    assert meta["mode"] == "record"
+    assert meta["probes"] == "syscall,futex,proc,signal"
+    assert int(meta["end_ts"]) > int(meta["start_ts"])
+    assert meta["drops"] == "0"
+    assert meta["target_cmdline"].endswith("-c pass")
+    assert (out.stat().st_mode & 0o777) == 0o600
+
+
+def test_sql_views_answer_from_the_recording(tmp_path, py):
+    out = tmp_path / "rec.duckdb"
+    assert record(out, py, "-c", GETPPID_STORM).returncode == 7
+    from .conftest import watcher
+
+    res = watcher("sql", str(out), "SELECT name, calls FROM top_syscall WHERE name = 'getppid'",
+                  "--format", "json", check=True)
+    assert json.loads(res.stdout) == [{"name": "getppid", "calls": 10_000}]
