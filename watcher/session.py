@@ -181,7 +181,7 @@ class Session:
             raise TargetError(f"pid {pid} exited during attach")
         cmdline = c.model.processes[0].cmdline
         c.write_start_meta(target_pid=pid, cmdline=cmdline, mode="attach", probes=self.config.probes)
-        self._say(f"Recording PID {pid} ({cmdline[:60]}) to {self.config.out}... Ctrl-C to stop")
+        self._say(f"Recording PID {pid} ({cmdline[:60].replace(chr(10), ' ')}) to {self.config.out}... Ctrl-C to stop")
 
         def gone() -> bool:
             return not os.path.exists(f"/proc/{pid}") and not self.recorder.traced_pids()
@@ -235,7 +235,8 @@ class Session:
             os.waitpid(pid, 0)
             self._abandon()
             raise TargetError(f"cannot run {argv[0]}: {failure}")
-        self._say(f"Recording `{' '.join(argv)[:70]}` (pid {pid}) to {self.config.out}")
+        shown = " ".join(argv).replace("\n", " ")
+        self._say(f"Recording `{shown[:70]}` (pid {pid}) to {self.config.out}... Ctrl-C to stop")
         self.child = pid
         self.child_status: int | None = None
 
