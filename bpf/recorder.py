@@ -34,7 +34,7 @@ class RecorderConfig:
     ring_pages: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_RING_PAGES))
 
     def cflags(self) -> list[str]:
-        flags = [f"-I{HERE}", f"-DLOG_IDLE_POLLS={int(self.log_idle_polls)}"]
+        flags = [f"-I{HERE}", f"-DLOG_IDLE_POLLS={int(self.log_idle_polls)}", f"-DPID_MAX={pid_max()}"]
         for probe in ALL_PROBES:
             flags.append(f"-DPROBE_{probe.upper()}={int(probe in self.probes)}")
         for ring, pages in self.ring_pages.items():
@@ -42,9 +42,12 @@ class RecorderConfig:
         return flags
 
 
-class _StatKey(ctypes.Structure):
-    _fields_ = [("pid", ctypes.c_uint32), ("tid", ctypes.c_uint32),
-                ("nr", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+def pid_max() -> int:
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1 << 22  # the kernel's ceiling
 
 
 class KernelRecorder:
@@ -67,8 +70,8 @@ class KernelRecorder:
         """Record process `pid` and every process it forks from now on."""
         self._traced[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
 
-    def traced_pids(self) -> list[int]:
-        return [k.value for k in self._traced.keys()]
+    def is_traced(self, pid: int) -> bool:
+        return bool(self._traced[ctypes.c_int(pid)].value)
 
     def read(self) -> dict[str, np.ndarray]:
         return {ring: r.read() for ring, r in self.readers.items()}
@@ -89,7 +92,8 @@ class KernelRecorder:
 
     def inflight(self) -> list[tuple[int, int, int, int, int]]:
         """(tid, nr, entry ts, arg0, arg1) of every traced thread inside a syscall."""
-        return [(k.value, v.nr, v.ts, v.args[0], v.args[1]) for k, v in self.bpf["inflight"].items()]
+        return [(k.value, v.nr, v.ts, v.args[0], v.args[1])
+                for k, v in self.bpf["inflight"].items() if v.ts]
 
     def drops(self) -> dict[str, list[int]]:
         """Per ring, per CPU, records the kernel failed to queue."""

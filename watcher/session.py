@@ -110,6 +110,16 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
 class Session:
     def __init__(self, config: SessionConfig):
         config.validate()
@@ -121,6 +131,10 @@ class Session:
         self.collector: Collector | None = None
         self._interrupts = 0
         self._live = None
+
+    def _tree_alive(self) -> bool:
+        """Any recorded process still running (as far as the last flush knows)?"""
+        return any(p.end_ts is None and _alive(p.pid) for p in self.collector.model.processes)
 
     # -- set-up ----------------------------------------------------------------
     def _load(self) -> None:
@@ -184,7 +198,7 @@ class Session:
         self._say(f"Recording PID {pid} ({cmdline[:60].replace(chr(10), ' ')}) to {self.config.out}... Ctrl-C to stop")
 
         def gone() -> bool:
-            return not os.path.exists(f"/proc/{pid}") and not self.recorder.traced_pids()
+            return not _alive(pid) and not self._tree_alive()
 
         return self._run(gone, t0)
 
@@ -252,7 +266,7 @@ class Session:
             if self.child_status is None:
                 return False
             # Let the rest of the tree finish, within reason.
-            return not self.recorder.traced_pids() or monotonic_ns() - self._child_exit_ns > 2e9
+            return not self._tree_alive() or monotonic_ns() - self._child_exit_ns > 2e9
 
         result = self._run(done, t0, forward_to=pid)
         status = self.child_status
