@@ -4,12 +4,13 @@
  * Policies run here, not in the collector:
  *   - only tgids in `traced` are recorded; the set follows fork;
  *   - per-thread per-syscall counts and total time are always exact (`syscall_stats`);
- *   - idle epoll_wait/poll/select timeouts that return 0 are counted, not logged;
+ *   - idle epoll_wait/poll/select calls (timed out, or ready without blocking)
+ *     are counted, not logged;
  *   - futex calls go to their own ring with wait/wake pairing, not to the syscall ring;
  *   - a failed ring reservation is counted per CPU in `drops`, never silent.
  *
  * Compile-time switches (set by bpf/recorder.py): PROBE_SYSCALL, PROBE_FUTEX,
- * PROBE_PROC, PROBE_SIGNAL, LOG_IDLE_POLLS, RING_PAGES_*.
+ * PROBE_PROC, PROBE_SIGNAL, LOG_IDLE_POLLS, POLL_LOG_MIN_NS, PID_MAX, RING_PAGES_*.
  */
 #include <uapi/linux/ptrace.h>
 #include "events.h"
@@ -116,9 +117,14 @@ static __always_inline int futex_is_wake(int cmd)
     return cmd == 1 || cmd == 3 || cmd == 4 || cmd == 5 || cmd == 7 || cmd == 10 || cmd == 12;
 }
 
-static __always_inline int is_idle_poll(u32 nr, s64 ret)
+/* Poll-class calls that timed out with nothing (ret 0), or that returned
+ * ready without blocking for POLL_LOG_MIN_NS, are counted, not logged: gloo's
+ * transport threads spin on epoll_wait at ~25k calls/s per rank, each
+ * returning one ready fd in under a microsecond.  A poll that blocked, or
+ * failed, is logged: that is where a thread waited. */
+static __always_inline int is_idle_poll(u32 nr, s64 ret, u64 dur)
 {
-    if (ret != 0)
+    if (ret < 0 || (ret > 0 && dur >= POLL_LOG_MIN_NS))
         return 0;
     return nr == NR_EPOLL_WAIT || nr == NR_EPOLL_PWAIT || nr == NR_EPOLL_PWAIT2 ||
            nr == NR_POLL || nr == NR_PPOLL || nr == NR_SELECT || nr == NR_PSELECT6;
@@ -323,7 +329,7 @@ RAW_TRACEPOINT_PROBE(sys_exit)
         return 0;
     }
 
-    if (!LOG_IDLE_POLLS && is_idle_poll(nr, ret)) {
+    if (!LOG_IDLE_POLLS && is_idle_poll(nr, ret, dur)) {
         if (s)
             s->idle++;
         in->ts = 0;

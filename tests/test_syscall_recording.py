@@ -11,15 +11,20 @@ GETPPID_STORM = textwrap.dedent("""
     import os, select
     for _ in range(10_000):
         os.getppid()
-    # 50 idle polls that time out at once: counted exactly, never logged.
+    # 50 idle polls that time out at once: counted exactly, not logged.
     p = select.poll()
     r, w = os.pipe()
     p.register(r, select.POLLIN)
     for _ in range(50):
         p.poll(0)
-    # one poll that returns ready: logged
+    # one that returns ready at once: counted, not logged (gloo-style spinning)
     os.write(w, b"x")
     p.poll(0)
+    os.read(r, 1)
+    # one that blocks 50 ms until another thread writes: logged
+    import threading, time
+    threading.Thread(target=lambda: (time.sleep(0.05), os.write(w, b"y"))).start()
+    p.poll(5000)
     raise SystemExit(7)
 """)
 
@@ -44,8 +49,9 @@ def test_idle_polls_are_counted_not_logged(tmp_path, py):
     assert record(out, py, "-c", GETPPID_STORM).returncode == 7
     [(count, idle, logged)] = query(
         out, "SELECT sum(count), sum(idle_skipped), sum(logged) FROM syscall_stat WHERE name = 'poll'")
-    assert (count, idle, logged) == (51, 50, 1)
-    assert query(out, "SELECT ret FROM syscall WHERE name = 'poll'") == [(1,)]
+    assert (count, idle, logged) == (52, 51, 1)
+    [(ret, dur)] = query(out, "SELECT ret, dur FROM syscall WHERE name = 'poll'")
+    assert ret == 1 and dur >= 40_000_000
 
 
 def test_meta_describes_the_recording(tmp_path, py):
@@ -70,3 +76,23 @@ def test_sql_views_answer_from_the_recording(tmp_path, py):
     res = watcher("sql", str(out), "SELECT name, calls FROM top_syscall WHERE name = 'getppid'",
                   "--format", "json", check=True)
     assert json.loads(res.stdout) == [{"name": "getppid", "calls": 10_000}]
+
+
+def test_probe_subset_logs_only_what_was_asked_but_counts_stay_exact(tmp_path, py):
+    out = tmp_path / "rec.duckdb"
+    assert record(out, py, "-c", GETPPID_STORM, extra=("--probes", "proc,signal")).returncode == 7
+    assert query(out, "SELECT count(*) FROM syscall") == [(0,)]
+    assert query(out, "SELECT sum(count) FROM syscall_stat WHERE name = 'getppid'") == [(10_000,)]
+    [(code,)] = query(out, "SELECT exit_code FROM process WHERE upid = 0")
+    assert code == 7
+    assert dict(query(out, "SELECT key, value FROM meta"))["probes"] == "proc,signal"
+
+
+def test_check_reports_a_ready_machine():
+    from .conftest import watcher
+
+    res = watcher("check")
+    assert res.returncode == 0, res.stdout
+    for name in ("kernel", "btf", "tracefs", "kernel headers", "privileges", "bcc", "libtorch", "gpus"):
+        assert f"] {name}" in res.stdout, name
+    assert "[FAIL]" not in res.stdout

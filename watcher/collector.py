@@ -46,7 +46,11 @@ class CollectorStats:
 
 
 class Collector:
-    def __init__(self, recorder, writer: RecordingWriter, *, flush_interval: float = 0.5,
+    # Exact counters, in-flight calls and drops are rewritten every this many
+    # flushes (and at the end); events every flush.
+    COUNTERS_EVERY = 5
+
+    def __init__(self, recorder, writer: RecordingWriter, *, flush_interval: float = 1.0,
                  poll_interval: float = 0.05, max_size: int | None = None,
                  ring_window_ns: int | None = None, on_flush=None):
         if flush_interval > 1.0:
@@ -60,7 +64,9 @@ class Collector:
         self.ring_window_ns = ring_window_ns
         self.on_flush = on_flush
         self.stats = CollectorStats(started_ns=monotonic_ns())
+        self._cpu0 = _cpu_s()
         self._pending: dict[str, list[np.ndarray]] = {r: [] for r in RING_NAMES}
+        self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self.last_stats: np.ndarray | None = None
 
@@ -83,35 +89,52 @@ class Collector:
         return self._stop.is_set()
 
     def poll(self) -> int:
+        """Move every committed record out of the rings (cheap: one copy per ring)."""
+        got = self.recorder.read()
         n = 0
-        for ring, arr in self.recorder.read().items():
-            if len(arr):
-                self._pending[ring].append(arr)
-                self.stats.events[ring] += len(arr)
-                n += len(arr)
+        with self._pending_lock:
+            for ring, arr in got.items():
+                if len(arr):
+                    self._pending[ring].append(arr)
+                    self.stats.events[ring] += len(arr)
+                    n += len(arr)
         return n
 
-    def run(self, should_stop=lambda: False) -> None:
-        next_flush = time.monotonic() + self.flush_interval
-        while not self._stop.is_set():
+    def _drain(self, done: threading.Event) -> None:
+        """Keep the rings empty while the main thread decodes and writes (DuckDB
+        releases the GIL while it works), so a long flush never overflows them."""
+        while not done.is_set():
             self.poll()
-            if should_stop():
-                break
-            now = time.monotonic()
-            if now >= next_flush:
-                self.flush()
-                next_flush = now + self.flush_interval
             # Poll faster when a ring is filling up, so bursts do not drop.
-            wait = self.poll_interval if self.recorder.pending_fraction() < 0.25 else 0.002
-            self._stop.wait(wait)
+            busy = self.recorder.pending_fraction() >= 0.1
+            done.wait(0.001 if busy else self.poll_interval)
+
+    def run(self, should_stop=lambda: False) -> None:
+        done = threading.Event()
+        drainer = threading.Thread(target=self._drain, args=(done,), name="watcher-drain", daemon=True)
+        drainer.start()
+        try:
+            next_flush = time.monotonic() + self.flush_interval
+            while not self._stop.is_set():
+                if should_stop():
+                    break
+                now = time.monotonic()
+                if now >= next_flush:
+                    self.flush()
+                    next_flush = now + self.flush_interval
+                self._stop.wait(min(0.1, max(0.0, next_flush - time.monotonic())))
+        finally:
+            done.set()
+            drainer.join()
         self.poll()
 
     # -- flush ---------------------------------------------------------------
     def _take(self, ring: str) -> np.ndarray | None:
-        parts = self._pending[ring]
-        if not parts:
-            return None
-        self._pending[ring] = []
+        with self._pending_lock:
+            parts = self._pending[ring]
+            if not parts:
+                return None
+            self._pending[ring] = []
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def flush(self, final: bool = False) -> None:
@@ -139,7 +162,8 @@ class Collector:
                 upid[known] = m.upids(sg["pid"][known])
                 w.append_signals(sg, _utids_partial(m, sg, known), upid,
                                  m.utids_if_known(sg["target_tid"]))
-            self._write_counters()
+            if final or self.stats.flushes % self.COUNTERS_EVERY == 0:
+                self._write_counters()
             if m.dirty:
                 w.replace_rows("process", [
                     (p.upid, p.pid, p.parent_upid, p.ppid, p.name, p.cmdline, p.exe, p.start_ts,
@@ -209,10 +233,17 @@ class Collector:
         self.poll()
         self.flush(final=True)
         self.writer.set_meta(end_ts=monotonic_ns(), complete="true",
+                             collector_cpu_s=round(_cpu_s() - self._cpu0, 3),
                              stat_overflow=self.recorder.stat_overflow(),
                              pruned_rows=self.stats.pruned_rows,
                              **{f"events_{r}": n for r, n in self.stats.events.items()},
                              **{f"drops_{r}": n for r, n in self.stats.drops.items()}, **facts)
+
+
+def _cpu_s() -> float:
+    """CPU time of the collector process itself (not of what it launched)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def _utids_partial(m: ProcessModel, sg: np.ndarray, known: np.ndarray) -> np.ndarray:

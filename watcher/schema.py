@@ -84,7 +84,7 @@ TABLES: tuple[Table, ...] = (
         C("end_ts", TS, "Exit time, NULL while alive."),
         C("is_main_thread", "BOOLEAN", "True for the thread whose tid equals its process's pid."),
     )),
-    Table("syscall", "One completed system call (futex calls are in `futex`; idle poll timeouts only in `syscall_stat`).", (
+    Table("syscall", "One completed system call (futex calls are in `futex`; idle polls are only counted, in `syscall_stat`).", (
         C("ts", TS, "Entry time."),
         C("dur", TS, "Time from entry to return."),
         C("utid", "INTEGER", "Calling thread.", True),
@@ -137,7 +137,8 @@ TABLES: tuple[Table, ...] = (
         C("count", "BIGINT", "Every completed call."),
         C("dur_total", TS, "Sum of the durations of every call."),
         C("logged", "BIGINT", "Calls written as rows (to `syscall` or `futex`), before any drop."),
-        C("idle_skipped", "BIGINT", "Idle poll/epoll/select timeouts returning 0, counted but not logged."),
+        C("idle_skipped", "BIGINT", "Idle poll/epoll/select calls counted but not logged: timed out "
+          "with nothing (ret 0), or returned ready without blocking 1 ms."),
     )),
     Table("inflight_syscall", "Threads inside a system call when the recording was last flushed: where each thread is blocked.", (
         C("snapshot_ts", TS, "When the kernel's in-flight table was read."),

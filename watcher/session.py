@@ -32,7 +32,7 @@ class SessionConfig:
     ring_minutes: float | None = None    # flight-recorder mode
     live: bool = False
     log_idle_polls: bool = False
-    flush_interval: float = 0.5
+    flush_interval: float = 1.0
     quiet: bool = False
     extra_meta: dict = field(default_factory=dict)
 

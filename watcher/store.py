@@ -47,7 +47,10 @@ class RecordingWriter:
         self.path = Path(path)
         if not in_memory:
             self._create_file(self.path)
-        self.con = duckdb.connect(":memory:" if in_memory else str(self.path))
+        # One DuckDB thread: on a node whose cores all belong to the ranks,
+        # every parallel worker the writer spawns is stolen from training.
+        self.con = duckdb.connect(":memory:" if in_memory else str(self.path),
+                                  config={"threads": 1, "memory_limit": "1GB"})
         for stmt in schema.create_statements():
             self.con.execute(stmt)
         for stmt in schema.view_statements():
@@ -76,9 +79,14 @@ class RecordingWriter:
 
     # -- meta ---------------------------------------------------------------
     def set_meta(self, **facts) -> None:
-        for k, v in facts.items():
-            self.con.execute("DELETE FROM meta WHERE key = ?", [k])
-            self.con.execute("INSERT INTO meta VALUES (?, ?)", [k, None if v is None else str(v)])
+        if not facts:
+            return
+        keys = list(facts)
+        self.con.execute(f"DELETE FROM meta WHERE key IN ({', '.join('?' * len(keys))})", keys)
+        values = []
+        for k in keys:
+            values += [k, None if facts[k] is None else str(facts[k])]
+        self.con.execute(f"INSERT INTO meta VALUES {', '.join(['(?, ?)'] * len(keys))}", values)
 
     # -- batched appends -----------------------------------------------------
     def begin(self) -> None:

@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     ddp_model = DDP(model) if distributed else model
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3, weight_decay=0.01)
 
-    times = open(f"{args.step_times}.rank{rank}", "a") if args.step_times else None
+    # Line-buffered, so a benchmark can follow the steps while the job runs.
+    times = open(f"{args.step_times}.rank{rank}", "a", buffering=1) if args.step_times else None
     step = 0
     for epoch in range(math.ceil(args.steps / max(len(loader), 1))):
         sampler.set_epoch(epoch)
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
             optimizer.step()
             dt = time.perf_counter_ns() - t0
             if times:
-                times.write(json.dumps({"rank": rank, "step": step, "ns": dt}) + "\n")
+                times.write(json.dumps({"rank": rank, "step": step, "ns": dt,
+                                        "end": time.monotonic_ns()}) + "\n")
             if args.log_every and rank == 0 and step % args.log_every == 0:
                 print(f"step {step} loss {loss.item():.4f}", flush=True)
             step += 1
