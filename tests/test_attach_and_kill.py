@@ -100,3 +100,48 @@ def test_sigkilled_collector_leaves_a_readable_recording_and_the_target_runs_on(
     assert n > 500
     info = watcher("info", str(out), check=True)
     assert "INCOMPLETE" in info.stdout
+
+
+def test_sigterm_finalises_a_complete_recording(tmp_path):
+    target = subprocess.Popen([sys.executable, "-c", "import os, time\nwhile True:\n    os.getppid(); time.sleep(0.001)"])
+    out = tmp_path / "term.duckdb"
+    w = _start_watcher(["attach", "--pid", str(target.pid), "--out", str(out)])
+    try:
+        _wait_for(w.stderr, "Ctrl-C to stop")
+        time.sleep(1.5)
+        w.send_signal(signal.SIGTERM)
+        assert w.wait(30) == 0
+        assert "Recorded" in w.stderr.read()
+        assert target.poll() is None          # the target is left running
+    finally:
+        target.kill()
+        w.kill()
+    meta = dict(query(out, "SELECT key, value FROM meta"))
+    assert meta["complete"] == "true" and meta["interrupted"] == "true"
+    [(n,)] = query(out, "SELECT count(*) FROM syscall WHERE name = 'getppid'")
+    assert n > 100
+
+
+def test_duration_ends_the_recording(tmp_path):
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    out = tmp_path / "dur.duckdb"
+    try:
+        res = watcher("attach", "--pid", str(target.pid), "--out", str(out), "--duration", "1")
+        assert res.returncode == 0, res.stderr
+        assert target.poll() is None
+    finally:
+        target.kill()
+    meta = dict(query(out, "SELECT key, value FROM meta"))
+    assert 1.0 <= (int(meta["end_ts"]) - int(meta["start_ts"])) / 1e9 < 10
+
+
+def test_target_exiting_during_attach(tmp_path):
+    # Loading the probes takes longer than this target lives.
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.15)"])
+    out = tmp_path / "gone.duckdb"
+    res = watcher("attach", "--pid", str(target.pid), "--out", str(out))
+    target.wait()
+    assert res.returncode == 3, res.stderr
+    assert res.stderr.strip().splitlines() == [f"watcher: pid {target.pid} exited during attach"] or \
+        res.stderr.strip().startswith(f"watcher: no process with pid {target.pid}")
+    assert not out.exists()

@@ -178,8 +178,9 @@ class Session:
 
     # -- attach ------------------------------------------------------------------
     def attach(self, pid: int) -> SessionResult:
-        if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
-            raise TargetError(f"no process with pid {pid}")
+        if pid <= 0 or not _alive(pid):
+            raise TargetError(f"no process with pid {pid}" + (" (it has exited)" if pid > 0 and
+                                                               os.path.exists(f"/proc/{pid}") else ""))
         if pid == os.getpid():
             raise TargetError("cannot attach to watcher itself")
         self._load()
@@ -190,7 +191,7 @@ class Session:
         for child, parent in _descendants(pid):
             self.recorder.trace(child)
             c.model.adopt_live(child, parent, t0)
-        if not os.path.exists(f"/proc/{pid}"):
+        if not _alive(pid):
             self._abandon()
             raise TargetError(f"pid {pid} exited during attach")
         cmdline = c.model.processes[0].cmdline
