@@ -18,7 +18,9 @@
 #define NR_POLL 7
 #define NR_SELECT 23
 #define NR_WAIT4 61
+#define NR_EXECVE 59
 #define NR_FUTEX 202
+#define NR_EXECVEAT 322
 #define NR_EXIT 60
 #define NR_EXIT_GROUP 231
 #define NR_EPOLL_WAIT 232
@@ -35,7 +37,7 @@ struct inflight_t {
     u64 args[6];
     s64 aux;        /* futex waits: timeout ns (-1 none) */
     u32 nr;
-    u32 pad;
+    u32 have_args;  /* args[] was filled at entry */
 };
 
 struct stat_key_t {
@@ -78,6 +80,20 @@ BPF_RINGBUF_OUTPUT(syscall_ring, RING_PAGES_SYSCALL);
 BPF_RINGBUF_OUTPUT(futex_ring, RING_PAGES_FUTEX);
 BPF_RINGBUF_OUTPUT(proc_ring, RING_PAGES_PROC);
 BPF_RINGBUF_OUTPUT(signal_ring, RING_PAGES_SIGNAL);
+
+/* x86_64 pt_regs holds r10, r9, r8, ax, cx, dx, si, di contiguously: one
+ * read gets all six syscall arguments (di si dx r10 r8 r9). */
+static __always_inline void read_args(struct pt_regs *regs, u64 *out)
+{
+    u64 w[8] = {};
+    bpf_probe_read_kernel(&w, sizeof(w), &regs->r10);
+    out[0] = w[7];
+    out[1] = w[6];
+    out[2] = w[5];
+    out[3] = w[0];
+    out[4] = w[2];
+    out[5] = w[1];
+}
 
 static __always_inline void count_drop(int ring)
 {
@@ -182,15 +198,12 @@ RAW_TRACEPOINT_PROBE(sys_enter)
         return 0;
     struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
     u32 nr = ctx->args[1];
-    /* x86_64 pt_regs holds r10, r9, r8, ax, cx, dx, si, di contiguously:
-     * one read gets all six syscall arguments (di si dx r10 r8 r9). */
-    u64 w[8] = {};
-    bpf_probe_read_kernel(&w, sizeof(w), &regs->r10);
-    u64 sargs[6] = {w[7], w[6], w[5], w[0], w[2], w[1]};
     u64 now = bpf_ktime_get_ns();
+    u64 sargs[6] = {};
 
     if (nr == NR_EXIT || nr == NR_EXIT_GROUP) {
         /* These never return: count them here. */
+        read_args(regs, sargs);
         struct stat_val_t *s = stat_slot(tgid, tid, nr);
         if (s)
             s->count++;
@@ -233,9 +246,12 @@ RAW_TRACEPOINT_PROBE(sys_enter)
     }
     in->nr = nr;
     in->aux = -1;
-    #pragma unroll
-    for (int i = 0; i < 6; i++)
-        in->args[i] = sargs[i];
+    /* Arguments are read at exit, from the same registers, and only when the
+     * call is logged; futex (needed by sched_waking while the call runs) and
+     * exec (whose registers are replaced on success) are read now. */
+    in->have_args = nr == NR_FUTEX || nr == NR_EXECVE || nr == NR_EXECVEAT;
+    if (in->have_args)
+        read_args(regs, in->args);
     if (nr == NR_FUTEX && futex_is_wait(futex_cmd(in->args[1])) && in->args[3]) {
         s64 tsp[2] = {};
         if (bpf_probe_read_user(&tsp, sizeof(tsp), (void *)in->args[3]) == 0)
@@ -258,6 +274,7 @@ RAW_TRACEPOINT_PROBE(sys_exit)
     u32 nr = in->nr;
     s64 ret = (s64)ctx->args[1];
     u64 dur = now - in->ts;
+    struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
 
     struct stat_val_t *s = stat_slot(tgid, tid, nr);
     /* Keyed by thread: only this thread writes the slot, no atomics needed. */
@@ -266,7 +283,9 @@ RAW_TRACEPOINT_PROBE(sys_exit)
         s->dur += dur;
     }
 
-    if ((nr == NR_WAIT4 || nr == NR_WAITID) && ret > 0 && in->args[1]) {
+    if ((nr == NR_WAIT4 || nr == NR_WAITID) && ret > 0) {
+        read_args(regs, in->args);
+        in->have_args = 1;
         /* A traced parent reaped a child: the authoritative exit status. */
         s32 status = -1;
         u32 child = ret;
@@ -348,9 +367,13 @@ RAW_TRACEPOINT_PROBE(sys_exit)
     e->pid = tgid;
     e->tid = tid;
     e->ret = ret;
-    #pragma unroll
-    for (int i = 0; i < 6; i++)
-        e->args[i] = in->args[i];
+    if (in->have_args) {
+        #pragma unroll
+        for (int i = 0; i < 6; i++)
+            e->args[i] = in->args[i];
+    } else {
+        read_args(regs, e->args);
+    }
     e->nr = nr;
     e->cpu = bpf_get_smp_processor_id();
     syscall_ring.ringbuf_submit(e, BPF_RB_NO_WAKEUP);

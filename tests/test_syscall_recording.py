@@ -96,3 +96,22 @@ def test_check_reports_a_ready_machine():
     for name in ("kernel", "btf", "tracefs", "kernel headers", "privileges", "bcc", "libtorch", "gpus"):
         assert f"] {name}" in res.stdout, name
     assert "[FAIL]" not in res.stdout
+
+
+def test_arguments_and_return_values_are_exact(tmp_path, py):
+    out = tmp_path / "rec.duckdb"
+    script = textwrap.dedent(f"""
+        import os
+        fd = os.open({str(tmp_path / 'f')!r}, os.O_CREAT | os.O_RDWR, 0o600)
+        os.dup2(fd, 77)
+        assert os.write(77, b"x" * 123) == 123
+        assert os.lseek(77, 4242, os.SEEK_SET) == 4242
+        try:
+            os.lseek(77, -1, os.SEEK_SET)
+        except OSError:
+            pass
+    """)
+    assert record(out, py, "-c", script).returncode == 0
+    assert query(out, "SELECT arg0, arg2, ret FROM syscall WHERE name = 'write' AND arg0 = 77") == [(77, 123, 123)]
+    rows = query(out, "SELECT arg1, arg2, ret FROM syscall WHERE name = 'lseek' AND arg0 = 77 ORDER BY ts")
+    assert rows == [(4242, 0, 4242), (2**64 - 1, 0, -22)]   # -1 as raw u64; -EINVAL
