@@ -27,7 +27,8 @@ typedef int64_t s64;
 #define RING_FUTEX 1
 #define RING_PROC 2
 #define RING_SIGNAL 3
-#define RING_COUNT 4
+#define RING_API 4
+#define RING_COUNT 5
 
 /* One completed syscall (enter and exit joined in the kernel). */
 struct syscall_event {
@@ -94,6 +95,19 @@ struct signal_event {
     s32 code;        /* si_code */
     s32 result;      /* GENERATE: TRACE_SIGNAL_* result */
     s32 group;       /* GENERATE: sent to the whole group */
+};
+
+/* One library call caught by a uprobe (entry and return joined), see uprobes/. */
+struct api_event {
+    u64 ts;          /* entry */
+    u64 dur;         /* 0 for entry-only probes */
+    u32 pid;
+    u32 tid;
+    u32 slot;        /* index into the collector's table of attached probes */
+    u32 flags;       /* bit 0: deref read ok */
+    s64 ret;         /* integer return value (rax) */
+    u64 args[6];     /* integer argument registers at entry */
+    u64 deref[2];    /* 16 bytes read from the pointer argument the spec names */
 };
 
 #endif

@@ -15,8 +15,8 @@ ARGV_SLOT_LEN = 64
 FILENAME_LEN = 128
 COMM_LEN = 16
 
-RING_SYSCALL, RING_FUTEX, RING_PROC, RING_SIGNAL = range(4)
-RING_NAMES = ("syscall", "futex", "proc", "signal")
+RING_SYSCALL, RING_FUTEX, RING_PROC, RING_SIGNAL, RING_API = range(5)
+RING_NAMES = ("syscall", "futex", "proc", "signal", "api")
 
 FUTEX_KIND_WAIT, FUTEX_KIND_WAKE = 1, 2
 PROC_FORK, PROC_THREAD, PROC_EXEC, PROC_EXIT, PROC_REAP = 1, 2, 3, 4, 5
@@ -48,11 +48,18 @@ SIGNAL_EVENT = np.dtype([
     ("target_tid", "<u4"), ("code", "<i4"), ("result", "<i4"), ("group", "<i4"),
 ])
 
+# struct api_event
+API_EVENT = np.dtype([
+    ("ts", "<u8"), ("dur", "<u8"), ("pid", "<u4"), ("tid", "<u4"), ("slot", "<u4"), ("flags", "<u4"),
+    ("ret", "<i8"), ("args", "<u8", (6,)), ("deref", "<u8", (2,)),
+])
+
 EVENT_DTYPES = {
     "syscall": SYSCALL_EVENT,
     "futex": FUTEX_EVENT,
     "proc": PROC_EVENT,
     "signal": SIGNAL_EVENT,
+    "api": API_EVENT,
 }
 
 RINGBUF_HDR = 8

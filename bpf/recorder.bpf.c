@@ -10,7 +10,9 @@
  *   - a failed ring reservation is counted per CPU in `drops`, never silent.
  *
  * Compile-time switches (set by bpf/recorder.py): PROBE_SYSCALL, PROBE_FUTEX,
- * PROBE_PROC, PROBE_SIGNAL, LOG_IDLE_POLLS, POLL_LOG_MIN_NS, PID_MAX, RING_PAGES_*.
+ * PROBE_PROC, PROBE_SIGNAL, LOG_IDLE_POLLS, POLL_LOG_MIN_NS, PID_MAX, RING_PAGES_*,
+ * API_ROWS (library-call probes: the loader appends uprobes/api.bpf.c to this
+ * file's text, since bcc rewrites map calls only in the main source).
  */
 #include <uapi/linux/ptrace.h>
 #include "events.h"

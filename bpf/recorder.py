@@ -20,11 +20,14 @@ from .ringbuf import RingReader
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "recorder.bpf.c"
 
-ALL_PROBES = ("syscall", "futex", "proc", "signal")
+KERNEL_PROBES = ("syscall", "futex", "proc", "signal")
+LIBRARY_PROBES = ("libtorch", "libcudart", "libnccl")   # uprobes/<name>.toml
+ALL_PROBES = KERNEL_PROBES + LIBRARY_PROBES
 
 # Ring sizes in pages (powers of two).  The syscall ring (32 MiB) holds
 # ~350k records: a quarter of a second of a 1.3M/s storm.
-DEFAULT_RING_PAGES = {"syscall": 8192, "futex": 1024, "proc": 256, "signal": 64}
+DEFAULT_RING_PAGES = {"syscall": 8192, "futex": 1024, "proc": 256, "signal": 64, "api": 1024}
+UPROBES_DIR = HERE.parent / "uprobes"
 
 
 @dataclass
@@ -34,12 +37,29 @@ class RecorderConfig:
     # Poll-class calls returning ready faster than this are counted, not logged.
     poll_log_min_ns: int = 1_000_000
     ring_pages: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_RING_PAGES))
+    op_pattern: str | None = None   # opt-in operator probes: at::_ops::<op>::call, op matching this
+
+    @property
+    def libraries(self) -> tuple[str, ...]:
+        return tuple(p for p in self.probes if p in LIBRARY_PROBES)
+
+    @property
+    def with_uprobes(self) -> bool:
+        return bool(self.libraries or self.op_pattern)
+
+    @property
+    def api_rows(self) -> int:
+        # 16 probe slots a row; operator patterns can expand to many symbols.
+        # Each row adds ~0.3 s of compile time.
+        return 8 if self.op_pattern else 4
 
     def cflags(self) -> list[str]:
         flags = [f"-I{HERE}", f"-DLOG_IDLE_POLLS={int(self.log_idle_polls)}", f"-DPID_MAX={pid_max()}",
                  f"-DPOLL_LOG_MIN_NS={int(self.poll_log_min_ns)}ULL"]
-        for probe in ALL_PROBES:
+        for probe in KERNEL_PROBES:
             flags.append(f"-DPROBE_{probe.upper()}={int(probe in self.probes)}")
+        flags += [f"-I{UPROBES_DIR}", f"-DWITH_UPROBES={int(self.with_uprobes)}",
+                  f"-DAPI_ROWS={self.api_rows}", f"-DAPI_SLOTS={16 * self.api_rows}"]
         for ring, pages in self.ring_pages.items():
             flags.append(f"-DRING_PAGES_{ring.upper()}={pages}")
         return flags
@@ -60,14 +80,25 @@ class KernelRecorder:
         from bcc import BPF  # imported late: `watcher check` explains a missing bcc
 
         self.config = config or RecorderConfig()
-        self.bpf = BPF(src_file=str(SOURCE).encode(), cflags=self.config.cflags())
+        text = SOURCE.read_text()
+        if self.config.with_uprobes:
+            text += "\n" + (UPROBES_DIR / "api.bpf.c").read_text()
+        self.bpf = BPF(text=text.encode(), cflags=self.config.cflags())
         self._traced = self.bpf["traced"]
         page = os.sysconf("SC_PAGE_SIZE")
+        rings = [r for r in RING_NAMES if r != "api" or self.config.with_uprobes]
         self.readers = {
             ring: RingReader(self.bpf[f"{ring}_ring"].map_fd,
                              self.config.ring_pages[ring] * page, EVENT_DTYPES[ring])
-            for ring in RING_NAMES
+            for ring in rings
         }
+        self.prober = None
+        if self.config.with_uprobes:
+            from ..uprobes.attach import LibraryProber
+            from ..uprobes.spec import load_specs, select
+
+            specs = select(load_specs(UPROBES_DIR), set(self.config.libraries), self.config.op_pattern)
+            self.prober = LibraryProber(self.bpf, specs, 16 * self.config.api_rows)
 
     def trace(self, pid: int) -> None:
         """Record process `pid` and every process it forks from now on."""
@@ -97,6 +128,17 @@ class KernelRecorder:
         """(tid, nr, entry ts, arg0, arg1) of every traced thread inside a syscall."""
         return [(k.value, v.nr, v.ts, v.args[0], v.args[1])
                 for k, v in self.bpf["inflight"].items() if v.ts]
+
+    def api_in_progress(self) -> np.ndarray:
+        """Library calls entered and not yet returned, as api_event records."""
+        from .events import API_EVENT
+
+        if self.prober is None:
+            return np.empty(0, dtype=API_EVENT)
+        rows = []
+        for k, v in self.bpf["api_inflight"].items():
+            rows.append((v.ts, 0, 0, k.tid, k.slot, v.flags, 0, tuple(v.args), tuple(v.deref)))
+        return np.array(rows, dtype=API_EVENT)
 
     def drops(self) -> dict[str, list[int]]:
         """Per ring, per CPU, records the kernel failed to queue."""

@@ -18,6 +18,7 @@ int main(void) {
     printf("futex %zu\n", sizeof(struct futex_event));
     printf("proc %zu\n", sizeof(struct proc_event));
     printf("signal %zu\n", sizeof(struct signal_event));
+    printf("api %zu\n", sizeof(struct api_event));
     printf("proc.argv %zu\n", offsetof(struct proc_event, argv));
     printf("futex.wake_ts %zu\n", offsetof(struct futex_event, wake_ts));
     printf("syscall.nr %zu\n", offsetof(struct syscall_event, nr));

@@ -69,6 +69,13 @@ class Collector:
         self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self.last_stats: np.ndarray | None = None
+        self.warnings: list[str] = []
+        self.on_warning = None
+        self.library_calls = None
+        if getattr(recorder, "prober", None) is not None:
+            from .library_calls import LibraryCallWriter
+
+            self.library_calls = LibraryCallWriter(recorder.prober, self.model, writer)
 
     # -- meta ----------------------------------------------------------------
     def write_start_meta(self, *, target_pid: int | None, cmdline: str, mode: str, probes) -> None:
@@ -143,6 +150,7 @@ class Collector:
         proc = self._take("proc")
         if proc is not None:
             m.apply_proc_events(proc)
+        self.scan_libraries()
         if self.stats.flushes % 4 == 0 or final:
             m.refresh_names()
         w.begin()
@@ -155,6 +163,11 @@ class Collector:
             if fx is not None:
                 w.append_futex(fx, m.utids(fx["pid"], fx["tid"]), m.upids(fx["pid"]),
                                np.where(fx["waker_tid"] > 0, m.utids_if_known(fx["waker_tid"]), -1))
+            ap = self._take("api")
+            if ap is not None and self.library_calls is not None:
+                self.library_calls.write(ap, m.utids(ap["pid"], ap["tid"]), m.upids(ap["pid"]))
+            if final and self.library_calls is not None:
+                self._write_calls_in_progress()
             sg = self._take("signal")
             if sg is not None:
                 known = np.isin(sg["pid"], np.fromiter(m.pid_to_upid, dtype=np.int64))
@@ -185,6 +198,32 @@ class Collector:
             self._prune_for_size()
         if self.on_flush:
             self.on_flush(self)
+
+    def scan_libraries(self) -> None:
+        """Attach library probes to libraries the traced processes mapped since
+        the last scan (dlopen after attach is picked up here)."""
+        prober = getattr(self.recorder, "prober", None)
+        if prober is None:
+            return
+        live = [p.pid for p in self.model.processes if p.end_ts is None]
+        seen = len(prober.notes)
+        for w in prober.scan(live):
+            self.warnings.append(w)
+            if self.on_warning:
+                self.on_warning(f"warning: {w}")
+        for note in prober.notes[seen:]:
+            if self.on_warning:
+                self.on_warning(note)
+
+    def _write_calls_in_progress(self) -> None:
+        """Library calls entered and never returned: what a hung rank is inside."""
+        ev = self.recorder.api_in_progress()
+        keep = np.array([t in self.model.tid_to_utid for t in ev["tid"].tolist()], dtype=bool)
+        ev = ev[keep]
+        if len(ev):
+            utids = np.array([self.model.tid_to_utid[t] for t in ev["tid"].tolist()], dtype=np.int32)
+            upids = np.array([self.model.threads[u].upid for u in utids.tolist()], dtype=np.int32)
+            self.library_calls.write(ev, utids, upids, entered=True)
 
     def _write_counters(self) -> None:
         m, w = self.model, self.writer
@@ -236,6 +275,9 @@ class Collector:
                              collector_cpu_s=round(_cpu_s() - self._cpu0, 3),
                              stat_overflow=self.recorder.stat_overflow(),
                              pruned_rows=self.stats.pruned_rows,
+                             probe_warnings="; ".join(self.warnings),
+                             library_probes=len(self.recorder.prober.slots) if getattr(
+                                 self.recorder, "prober", None) else 0,
                              **{f"events_{r}": n for r, n in self.stats.events.items()},
                              **{f"drops_{r}": n for r, n in self.stats.drops.items()}, **facts)
 

@@ -32,6 +32,7 @@ class SessionConfig:
     ring_minutes: float | None = None    # flight-recorder mode
     live: bool = False
     log_idle_polls: bool = False
+    ops: str | None = None               # opt-in operator probes (regex over op names)
     flush_interval: float = 1.0
     quiet: bool = False
     extra_meta: dict = field(default_factory=dict)
@@ -142,7 +143,8 @@ class Session:
         require_bpf_privileges()
         from .bpf.recorder import KernelRecorder
 
-        cfg = RecorderConfig(probes=self.config.probes, log_idle_polls=self.config.log_idle_polls)
+        cfg = RecorderConfig(probes=self.config.probes, log_idle_polls=self.config.log_idle_polls,
+                             op_pattern=self.config.ops)
         try:
             self.recorder = KernelRecorder(cfg)
         except Exception as e:  # bcc raises plain Exception on compile/attach failure
@@ -160,6 +162,7 @@ class Session:
             max_size=self.config.max_size,
             ring_window_ns=int(self.config.ring_minutes * 60e9) if ring else None,
             on_flush=on_flush)
+        self.collector.on_warning = self._say
 
     def _say(self, msg: str) -> None:
         if not self.config.quiet:
@@ -194,6 +197,7 @@ class Session:
         if not _alive(pid):
             self._abandon()
             raise TargetError(f"pid {pid} exited during attach")
+        c.scan_libraries()
         cmdline = c.model.processes[0].cmdline
         c.write_start_meta(target_pid=pid, cmdline=cmdline, mode="attach", probes=self.config.probes)
         self._say(f"Recording PID {pid} ({cmdline[:60].replace(chr(10), ' ')}) to {self.config.out}... Ctrl-C to stop")

@@ -159,6 +159,17 @@ class RecordingWriter:
                      "CASE WHEN b.kind = 1 THEN b.result ELSE NULL END "
                      "FROM _batch b LEFT JOIN _signal_name s USING (signo)")
 
+    def append_rows(self, table: str, rows: list[tuple]) -> None:
+        """Append low-rate rows given as tuples in schema column order."""
+        if not rows:
+            return
+        cols = schema.TABLE_BY_NAME[table].column_names
+        self.con.register("_rows", _as_frame({c: [r[i] for r in rows] for i, c in enumerate(cols)}))
+        try:
+            self.con.execute(f"INSERT INTO {table} SELECT {', '.join(cols)} FROM _rows")
+        finally:
+            self.con.unregister("_rows")
+
     def replace_rows(self, table: str, rows: list[tuple]) -> None:
         """Rewrite a small mutable table (process, thread, stats) in full."""
         self.con.execute(f"DELETE FROM {table}")

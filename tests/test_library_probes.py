@@ -1,0 +1,175 @@
+"""Uprobes on the real libtorch, libcudart and libnccl (no GPU needed).
+
+Without a GPU, cudaGetDeviceCount returns 35 (cudaErrorInsufficientDriver)
+and ncclGetVersion returns 0; the recorded return codes and values must equal
+what the test observed in the process itself.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import time
+
+import pytest
+
+from watcher.uprobes.spec import LibrarySpec, ProbeSpec, load_specs, resolve
+
+from .conftest import ROOT, needs_bpf, query, record, watcher
+
+SITE = sysconfig.get_paths()["purelib"]
+CUDART = (glob.glob(f"{SITE}/nvidia/cu*/lib/libcudart.so.*") or [None])[0]
+NCCL = (glob.glob(f"{SITE}/nvidia/nccl/lib/libnccl.so.*") or [None])[0]
+needs_libs = pytest.mark.skipif(not (CUDART and NCCL), reason="nvidia-cuda-runtime / nvidia-nccl-cu13 not installed")
+
+
+@needs_bpf
+def test_gloo_collectives_recorded_with_op_and_sequence_on_both_ranks(tmp_path):
+    out = tmp_path / "coll.duckdb"
+    proc = record(out, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                  str(ROOT / "tests" / "workloads" / "collectives.py"), "normal", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = query(out, "SELECT rank, op, seq, tensor_count, state FROM collective ORDER BY rank, seq")
+    expected = ([("allreduce", 1)] * 5 + [("broadcast", 1)] * 3 + [("allgather", 1)] * 2 + [("barrier", None)])
+    for rank in (0, 1):
+        mine = [r[1:] for r in rows if r[0] == rank]
+        assert mine == [(op, seq, n, "returned") for seq, (op, n) in enumerate(expected)], rank
+    assert query(out, "SELECT count(DISTINCT group_index) FROM collective") == [(1,)]
+
+
+OPS_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    a = torch.ones(4, 4)
+    print("ready", flush=True)
+    sys.stdin.readline()              # probes attached to libtorch
+    for _ in range(37):
+        torch.mm(a, a)
+    for _ in range(11):
+        torch.add(a, a)
+""")
+
+
+def _attach_and_wait_for(target, out, lib, extra=()):
+    w = subprocess.Popen([sys.executable, "-m", "watcher.cli", "attach", "--pid", str(target.pid),
+                          "--out", str(out), *extra], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = w.stderr.readline()
+        seen += line
+        if line.startswith("attached") and f" {lib} probes" in line:
+            return w
+        if not line:
+            break
+    w.kill()
+    raise AssertionError(f"{lib} probes never attached: {seen}")
+
+
+@needs_bpf
+def test_operator_probes_count_exact_calls(tmp_path):
+    target = subprocess.Popen([sys.executable, "-c", OPS_SCRIPT], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    out = tmp_path / "ops.duckdb"
+    try:
+        assert target.stdout.readline().strip() == "ready"
+        w = _attach_and_wait_for(target, out, "libtorch", ("--ops", "mm|add_Tensor"))
+        target.stdin.write("go\n")
+        target.stdin.flush()
+        assert target.wait(60) == 0
+        assert w.wait(60) == 0
+    finally:
+        target.kill()
+    counts = dict(query(out, "SELECT symbol, count(*) FROM api_call WHERE probe = 'op' GROUP BY symbol"))
+    assert counts == {"mm": 37, "add_Tensor": 11}
+
+
+# Loads the libraries only after being told the recorder is running, then waits
+# for the probes to be attached to them before calling anything.
+LATE_LOAD = textwrap.dedent(f"""
+    import ctypes, json, sys
+    sys.stdin.readline()                     # recorder is attached
+    cudart = ctypes.CDLL({CUDART!r})
+    nccl = ctypes.CDLL({NCCL!r})
+    print("loaded", flush=True)
+    sys.stdin.readline()                     # probes attached to both
+    n = ctypes.c_int(-7)
+    rc_count = cudart.cudaGetDeviceCount(ctypes.byref(n))
+    v = ctypes.c_int(-7)
+    rc_version = nccl.ncclGetVersion(ctypes.byref(v))
+    p = ctypes.c_void_p()
+    rc_malloc = cudart.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(1 << 20))
+    print(json.dumps({{"count_rc": rc_count, "count": n.value, "version_rc": rc_version,
+                       "version": v.value, "malloc_rc": rc_malloc}}), flush=True)
+""")
+
+
+@needs_bpf
+@needs_libs
+def test_cudart_and_nccl_loaded_after_attach_are_probed_with_exact_returns(tmp_path):
+    target = subprocess.Popen([sys.executable, "-c", LATE_LOAD], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    out = tmp_path / "cuda.duckdb"
+    w = subprocess.Popen([sys.executable, "-m", "watcher.cli", "attach", "--pid", str(target.pid),
+                          "--out", str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        line = w.stderr.readline()
+        assert "Ctrl-C to stop" in line, line
+        target.stdin.write("go\n")
+        target.stdin.flush()
+        assert target.stdout.readline().strip() == "loaded"
+        attached = set()
+        deadline = time.monotonic() + 30
+        while attached != {"libcudart", "libnccl"} and time.monotonic() < deadline:
+            line = w.stderr.readline()
+            for lib in ("libcudart", "libnccl"):
+                if line.startswith("attached") and f" {lib} probes" in line:
+                    attached.add(lib)
+        assert attached == {"libcudart", "libnccl"}
+        target.stdin.write("go\n")
+        target.stdin.flush()
+        truth = json.loads(target.stdout.readline())
+        assert target.wait(30) == 0
+        assert w.wait(60) == 0
+    finally:
+        target.kill()
+        w.kill()
+    assert truth["count_rc"] == 35 and truth["version_rc"] == 0
+    rows = {r[0]: r[1:] for r in query(out, "SELECT probe, ret, ret_name, deref, library FROM api_call")}
+    assert rows["cudaGetDeviceCount"] == (35, "cudaErrorInsufficientDriver", truth["count"], "libcudart")
+    assert rows["ncclGetVersion"] == (0, "ncclSuccess", truth["version"], "libnccl")
+    assert rows["cudaMalloc"][0] == truth["malloc_rc"]
+    [(detail,)] = query(out, "SELECT detail FROM api_call WHERE probe = 'cudaMalloc'")
+    assert "size=1048576" in detail
+
+
+@needs_libs
+def test_spec_errors_are_reported_not_silent():
+    lib = [s for s in load_specs() if s.library == "libcudart"][0]
+    bogus = ProbeSpec("libcudart", "nope", "cudaNoSuchFunction", None, (), "int", None, True, "libcudart", None, False)
+    pattern = ProbeSpec("libcudart", "pat", None, r"^zzzNothing\(", (), "int", None, True, "libcudart", None, False)
+    found, missing = resolve(LibrarySpec("libcudart", lib.file_pattern, (bogus, pattern)), CUDART)
+    assert found == []
+    assert missing == [f"nope: symbol cudaNoSuchFunction not in {CUDART}",
+                       f"pat: 0 functions matched '^zzzNothing\\\\(' in {CUDART}"]
+
+
+@needs_bpf
+def test_ops_pattern_matching_nothing_is_reported(tmp_path):
+    out = tmp_path / "none.duckdb"
+    proc = record(out, sys.executable, "-c", "import torch; torch.ones(1)", extra=("--ops", "zz_no_such_op"))
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: op: 0 functions matched" in proc.stderr
+    meta = dict(query(out, "SELECT key, value FROM meta"))
+    assert "0 functions matched" in meta["probe_warnings"]
+
+
+def test_every_spec_loads_and_names_known_types():
+    specs = {s.library: s for s in load_specs()}
+    assert set(specs) == {"libtorch", "libcudart", "libnccl"}
+    names = {p.name for s in specs.values() for p in s.probes}
+    for want in ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize", "ncclAllReduce",
+                 "ncclCommInitRank", "ncclCommAbort", "ncclGroupStart", "gloo.allreduce", "gloo.barrier", "op"):
+        assert want in names, want

@@ -1,0 +1,177 @@
+/* Generic uprobe handlers for library calls (libtorch, libcudart, libnccl).
+ *
+ * Appended to bpf/recorder.bpf.c by the loader when library probes are on, so
+ * it shares the traced set (bcc rewrites map calls only in the main text).  Every attached probe gets a slot; slot N has its own entry and
+ * return handler (api_entry_R_C / api_exit_R_C with N = 16 R + C) so the
+ * handler knows which probe fired without a lookup by address.  What a slot
+ * decodes is data (the uprobes TOML specs), kept in `api_cfg` by the collector.
+ */
+
+struct api_cfg_t {
+    s32 deref_arg;      /* argument whose pointee is read (16 bytes), -1 none */
+    u32 deref_at_exit;  /* read at return (out-parameters) rather than entry */
+    u32 entry_only;     /* emit at entry, do not wait for the return */
+    u32 pad;
+};
+
+struct api_key_t {
+    u32 tid;
+    u32 slot;
+};
+
+struct api_inflight_t {
+    u64 ts;
+    u64 args[6];
+    u64 deref[2];
+    u32 flags;
+    u32 pad;
+};
+
+BPF_ARRAY(api_cfg, struct api_cfg_t, API_SLOTS);
+BPF_HASH(api_inflight, struct api_key_t, struct api_inflight_t, 16384);
+BPF_RINGBUF_OUTPUT(api_ring, RING_PAGES_API);
+
+static __always_inline void api_read_args(struct pt_regs *ctx, u64 *a)
+{
+    a[0] = PT_REGS_PARM1(ctx);
+    a[1] = PT_REGS_PARM2(ctx);
+    a[2] = PT_REGS_PARM3(ctx);
+    a[3] = PT_REGS_PARM4(ctx);
+    a[4] = PT_REGS_PARM5(ctx);
+    a[5] = PT_REGS_PARM6(ctx);
+}
+
+static __always_inline u32 api_deref(struct api_cfg_t *cfg, u64 *args, u64 *out)
+{
+    int k = cfg->deref_arg;
+    if (k < 0 || k > 5)
+        return 0;
+    u64 p = args[k & 7];
+    if (!p)
+        return 0;
+    if (bpf_probe_read_user(out, 16, (void *)p) == 0)
+        return 1;
+    /* near the end of a mapping: an int out-parameter still fits */
+    return bpf_probe_read_user(out, 4, (void *)p) == 0;
+}
+
+static __always_inline void api_emit(u32 tgid, u32 tid, u32 slot, u64 ts, u64 dur, s64 ret,
+                                     u64 *args, u64 *deref, u32 flags)
+{
+    struct api_event *e = api_ring.ringbuf_reserve(sizeof(struct api_event));
+    if (!e) {
+        count_drop(RING_API);
+        return;
+    }
+    e->ts = ts;
+    e->dur = dur;
+    e->pid = tgid;
+    e->tid = tid;
+    e->slot = slot;
+    e->flags = flags;
+    e->ret = ret;
+    #pragma unroll
+    for (int i = 0; i < 6; i++)
+        e->args[i] = args[i];
+    e->deref[0] = deref[0];
+    e->deref[1] = deref[1];
+    api_ring.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+}
+
+static __always_inline int api_on_entry(struct pt_regs *ctx, u32 slot)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!is_traced(tgid))
+        return 0;
+    struct api_cfg_t *cfg = api_cfg.lookup(&slot);
+    if (!cfg)
+        return 0;
+    struct api_inflight_t v = {};
+    v.ts = bpf_ktime_get_ns();
+    api_read_args(ctx, v.args);
+    if (!cfg->deref_at_exit)
+        v.flags = api_deref(cfg, v.args, v.deref);
+    if (cfg->entry_only) {
+        api_emit(tgid, tid, slot, v.ts, 0, 0, v.args, v.deref, v.flags);
+        return 0;
+    }
+    struct api_key_t key = {.tid = tid, .slot = slot};
+    api_inflight.update(&key, &v);
+    return 0;
+}
+
+static __always_inline int api_on_exit(struct pt_regs *ctx, u32 slot)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    struct api_key_t key = {.tid = tid, .slot = slot};
+    struct api_inflight_t *v = api_inflight.lookup(&key);
+    if (!v)
+        return 0;
+    struct api_cfg_t *cfg = api_cfg.lookup(&slot);
+    if (cfg && cfg->deref_at_exit)
+        v->flags = api_deref(cfg, v->args, v->deref);
+    api_emit(tgid, tid, slot, v->ts, bpf_ktime_get_ns() - v->ts, PT_REGS_RC(ctx), v->args, v->deref,
+             v->flags);
+    api_inflight.delete(&key);
+    return 0;
+}
+
+#define API_PAIR(r, c)                                                             \
+    int api_entry_##r##_##c(struct pt_regs *ctx) { return api_on_entry(ctx, r * 16 + c); } \
+    int api_exit_##r##_##c(struct pt_regs *ctx) { return api_on_exit(ctx, r * 16 + c); }
+
+#define API_ROW(r)                                                                  \
+    API_PAIR(r, 0) API_PAIR(r, 1) API_PAIR(r, 2) API_PAIR(r, 3) API_PAIR(r, 4)       \
+    API_PAIR(r, 5) API_PAIR(r, 6) API_PAIR(r, 7) API_PAIR(r, 8) API_PAIR(r, 9)       \
+    API_PAIR(r, 10) API_PAIR(r, 11) API_PAIR(r, 12) API_PAIR(r, 13) API_PAIR(r, 14)  \
+    API_PAIR(r, 15)
+
+/* API_SLOTS = 16 * API_ROWS, set by the loader to what the probe set needs. */
+API_ROW(0)
+#if API_ROWS > 1
+API_ROW(1)
+#endif
+#if API_ROWS > 2
+API_ROW(2)
+#endif
+#if API_ROWS > 3
+API_ROW(3)
+#endif
+#if API_ROWS > 4
+API_ROW(4)
+#endif
+#if API_ROWS > 5
+API_ROW(5)
+#endif
+#if API_ROWS > 6
+API_ROW(6)
+#endif
+#if API_ROWS > 7
+API_ROW(7)
+#endif
+#if API_ROWS > 8
+API_ROW(8)
+#endif
+#if API_ROWS > 9
+API_ROW(9)
+#endif
+#if API_ROWS > 10
+API_ROW(10)
+#endif
+#if API_ROWS > 11
+API_ROW(11)
+#endif
+#if API_ROWS > 12
+API_ROW(12)
+#endif
+#if API_ROWS > 13
+API_ROW(13)
+#endif
+#if API_ROWS > 14
+API_ROW(14)
+#endif
+#if API_ROWS > 15
+API_ROW(15)
+#endif

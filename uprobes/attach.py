@@ -1,0 +1,98 @@
+"""Finds the libraries each traced process mapped and attaches the spec'd
+probes to exactly those files.
+
+Resolving from /proc/PID/maps keeps venv, conda and container copies right
+(a probe on a system copy the process never loaded would never fire).  The
+collector calls `scan` at start and then periodically, so a library loaded
+later (dlopen after attach, NCCL on the first collective) is picked up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+
+from .spec import LibrarySpec, ResolvedProbe, resolve
+
+
+class _Cfg(ctypes.Structure):
+    _fields_ = [("deref_arg", ctypes.c_int32), ("deref_at_exit", ctypes.c_uint32),
+                ("entry_only", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+
+
+def mapped_files(pid: int) -> set[str]:
+    out = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    out.add(parts[5].rstrip("\n"))
+    except OSError:
+        pass
+    return out
+
+
+@dataclass
+class LibraryProber:
+    bpf: object                      # the loaded bcc.BPF holding uprobes/api.bpf.c
+    specs: list[LibrarySpec]
+    capacity: int
+    slots: list[ResolvedProbe] = field(default_factory=list)
+    attached_files: dict[tuple[int, int], str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def scan(self, pids) -> list[str]:
+        """Attach to libraries newly mapped by `pids`; returns new warnings."""
+        new_warnings = []
+        for pid in pids:
+            for path in mapped_files(pid):
+                for lib in self.specs:
+                    if not lib.file_pattern.search(os.path.basename(path)):
+                        continue
+                    try:
+                        st = os.stat(path)
+                    except OSError:
+                        continue
+                    key = (st.st_dev, st.st_ino)
+                    if key in self.attached_files:
+                        continue
+                    self.attached_files[key] = path
+                    new_warnings += self._attach_library(lib, path)
+        self.warnings += new_warnings
+        return new_warnings
+
+    def _attach_library(self, lib: LibrarySpec, path: str) -> list[str]:
+        found, missing = resolve(lib, path)
+        warnings = list(missing)
+        before = len(self.slots)
+        for probe in found:
+            if len(self.slots) >= self.capacity:
+                warnings.append(f"probe capacity ({self.capacity}) reached: {probe.display} in {path} "
+                                "not attached; narrow --ops")
+                break
+            slot = len(self.slots)
+            spec = probe.spec
+            cfg = _Cfg(spec.deref.arg if spec.deref else -1,
+                       int(bool(spec.deref and spec.deref.at_exit)), int(spec.entry_only), 0)
+            self.bpf["api_cfg"][ctypes.c_int(slot)] = cfg
+            r, c = divmod(slot, 16)
+            try:
+                self.bpf.attach_uprobe(name=path.encode(), sym=probe.symbol.encode(),
+                                       fn_name=f"api_entry_{r}_{c}".encode())
+                if not spec.entry_only:
+                    self.bpf.attach_uretprobe(name=path.encode(), sym=probe.symbol.encode(),
+                                              fn_name=f"api_exit_{r}_{c}".encode())
+            except Exception as e:  # bcc raises plain Exception
+                warnings.append(f"cannot attach {probe.display} in {path}: {str(e).strip()}")
+                continue
+            self.slots.append(probe)
+        self.notes.append(f"attached {len(self.slots) - before} {lib.library} probes to {path}")
+        return warnings
+
+    def libraries_missing(self) -> list[str]:
+        seen = {lib.library for lib in self.specs
+                if any(lib.file_pattern.search(os.path.basename(p)) for p in self.attached_files.values())}
+        return [lib.library for lib in self.specs if lib.library not in seen]

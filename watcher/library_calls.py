@@ -1,0 +1,58 @@
+"""Library-call rows: api_call for every probe hit, collective for c10d calls.
+
+Decoding is per row in Python: the default probe set fires at collective and
+CUDA-API rates (hundreds to thousands a second), not per instruction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .uprobes.decode import deref_value, detail, ret_name
+
+
+class LibraryCallWriter:
+    def __init__(self, prober, model, writer):
+        self.prober = prober
+        self.model = model
+        self.writer = writer
+        self.next_id = 0
+        self._group_index: dict[tuple[int, int], int] = {}
+        self._groups_per_process: dict[int, int] = {}
+        self._seq: dict[tuple[int, int], int] = {}
+
+    def write(self, ev: np.ndarray, utids: np.ndarray, upids: np.ndarray, entered: bool = False) -> None:
+        calls, colls = [], []
+        for i in range(len(ev)):
+            e = ev[i]
+            slot = int(e["slot"])
+            if slot >= len(self.prober.slots):
+                continue
+            probe = self.prober.slots[slot]
+            spec = probe.spec
+            args = [int(a) for a in e["args"]]
+            dval = deref_value(spec.deref.type, (int(e["deref"][0]), int(e["deref"][1])),
+                               bool(int(e["flags"]) & 1)) if spec.deref else None
+            ret = None if entered else int(e["ret"])
+            cid = self.next_id
+            self.next_id += 1
+            utid, upid = int(utids[i]), int(upids[i])
+            calls.append((cid, int(e["ts"]), None if entered else int(e["dur"]), utid, upid, spec.library,
+                          spec.name, probe.display, ret, None if entered else ret_name(spec.ret, ret),
+                          *args, dval, detail(spec, args, dval), probe.path))
+            if spec.collective:
+                names = [a.name for a in spec.args]
+                pg = args[names.index("pg")] if "pg" in names else 0
+                key = (upid, pg)
+                if key not in self._group_index:
+                    self._group_index[key] = self._groups_per_process.get(upid, 0)
+                    self._groups_per_process[upid] = self._group_index[key] + 1
+                seq = self._seq.get(key, 0)
+                self._seq[key] = seq + 1
+                colls.append((cid, int(e["ts"]), None if entered else int(e["dur"]), utid, upid,
+                              self.model.processes[upid].rank, spec.name.split(".", 1)[0], pg,
+                              self._group_index[key], seq, spec.collective,
+                              dval if spec.deref and spec.deref.type == "tensor_vector" else None,
+                              "entered" if entered else "returned"))
+        self.writer.append_rows("api_call", calls)
+        self.writer.append_rows("collective", colls)
