@@ -67,6 +67,7 @@ struct futex_event {
 #define PROC_EXEC 3
 #define PROC_EXIT 4    /* a thread exited; flags bit 0 = whole process exited */
 #define PROC_REAP 5    /* a traced parent reaped child pid = tid field; code = wait status */
+#define PROC_DLOPEN 6  /* the dynamic loader changed its link map (a library was loaded or unloaded) */
 
 struct proc_event {
     u64 ts;

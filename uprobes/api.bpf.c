@@ -118,6 +118,19 @@ static __always_inline int api_on_exit(struct pt_regs *ctx, u32 slot)
     return 0;
 }
 
+/* ld.so calls _dl_debug_state after every change to its link map (how
+ * debuggers follow dlopen).  Telling the collector at once lets it attach the
+ * spec'd probes to a freshly loaded library before the code in it runs much. */
+int dl_debug_state(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!is_traced(tgid))
+        return 0;
+    emit_proc(PROC_DLOPEN, tgid, tid, 0, 0, 0, 0);
+    return 0;
+}
+
 #define API_PAIR(r, c)                                                             \
     int api_entry_##r##_##c(struct pt_regs *ctx) { return api_on_entry(ctx, r * 16 + c); } \
     int api_exit_##r##_##c(struct pt_regs *ctx) { return api_on_exit(ctx, r * 16 + c); }

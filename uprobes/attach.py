@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from dataclasses import dataclass, field
 
 from .spec import LibrarySpec, ResolvedProbe, resolve
+
+
+LOADER = re.compile(r"^ld-linux.*\.so")
 
 
 class _Cfg(ctypes.Structure):
@@ -43,12 +47,16 @@ class LibraryProber:
     attached_files: dict[tuple[int, int], str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    loaders: set = field(default_factory=set)
 
     def scan(self, pids) -> list[str]:
         """Attach to libraries newly mapped by `pids`; returns new warnings."""
         new_warnings = []
         for pid in pids:
             for path in mapped_files(pid):
+                if LOADER.search(os.path.basename(path)):
+                    self._watch_loader(path)
+                    continue
                 for lib in self.specs:
                     if not lib.file_pattern.search(os.path.basename(path)):
                         continue
@@ -63,6 +71,21 @@ class LibraryProber:
                     new_warnings += self._attach_library(lib, path)
         self.warnings += new_warnings
         return new_warnings
+
+    def _watch_loader(self, path: str) -> None:
+        """Follow dlopen in every process using this ld.so (once per file)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        key = (st.st_dev, st.st_ino)
+        if key in self.loaders:
+            return
+        self.loaders.add(key)
+        try:
+            self.bpf.attach_uprobe(name=path.encode(), sym=b"_dl_debug_state", fn_name=b"dl_debug_state")
+        except Exception as e:  # bcc raises plain Exception
+            self.warnings.append(f"cannot follow library loads through {path}: {str(e).strip()}")
 
     def _attach_library(self, lib: LibrarySpec, path: str) -> list[str]:
         found, missing = resolve(lib, path)

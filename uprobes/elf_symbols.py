@@ -1,11 +1,17 @@
 """Defined function symbols of an ELF shared object, read straight from its
 .dynsym (and .symtab when present).  Names keep their C/C++ (mangled) form
-and lose any version suffix (`cudaMalloc@@libcudart.so.13` -> `cudaMalloc`)."""
+and lose any version suffix (`cudaMalloc@@libcudart.so.13` -> `cudaMalloc`).
+
+libtorch_cpu.so holds ~350k symbols, so names are never all decoded: the
+string table is searched for the wanted names and substrings, and only the
+symbols whose names were hit are kept.  That keeps a late attach fast.
+"""
 
 from __future__ import annotations
 
+import mmap
+import re
 import struct
-from functools import lru_cache
 
 import numpy as np
 
@@ -21,37 +27,56 @@ class NotAnElf(ValueError):
     pass
 
 
-@lru_cache(maxsize=16)
-def function_symbols(path: str) -> dict[str, int]:
-    """{name: st_value} of every defined function."""
-    import mmap
+def _hit_offsets(strings: bytes, exact: set[str], substrings: set[str]) -> set[int]:
+    """Offsets of the names in a string table that equal one of `exact`
+    (optionally followed by @version) or contain one of `substrings`."""
+    hits = set()
+    for name in exact:
+        for m in re.finditer(re.escape(b"\0" + name.encode()) + rb"(?=[\0@])", strings):
+            hits.add(m.start() + 1)
+    for sub in substrings:
+        needle = sub.encode()
+        i = strings.find(needle)
+        while i >= 0:
+            hits.add(strings.rfind(b"\0", 0, i) + 1)
+            i = strings.find(needle, strings.find(b"\0", i) + 1)
+    return hits
 
+
+def function_symbols(path: str, exact: set[str] = frozenset(), substrings: set[str] = frozenset(),
+                     everything: bool = False) -> dict[str, int]:
+    """{name: st_value} of defined functions named in `exact`, or whose name
+    contains one of `substrings` (or every function, if `everything`)."""
     with open(path, "rb") as f:
-        # mapped, not read: libtorch_cpu.so alone is over 400 MB
-        data = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    if data[:4] != b"\x7fELF" or data[4] != 2:
-        raise NotAnElf(f"{path} is not a 64-bit ELF file")
-    e_shoff, = struct.unpack_from("<Q", data, 0x28)
-    e_shentsize, e_shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
-    out: dict[str, int] = {}
-    for sh in sections:
-        sh_type, sh_offset, sh_size, sh_link = sh[1], sh[4], sh[5], sh[6]
-        if sh_type not in (SHT_DYNSYM, SHT_SYMTAB):
-            continue
-        strtab = sections[sh_link]
-        str_off, str_size = strtab[4], strtab[5]
-        strings = bytes(data[str_off:str_off + str_size])
-        syms = np.frombuffer(data, dtype=ELF64_SYM, count=sh_size // ELF64_SYM.itemsize, offset=sh_offset)
-        kind = syms["info"] & 0xF
-        keep = syms[((kind == STT_FUNC) | (kind == STT_GNU_IFUNC)) & (syms["shndx"] != 0) & (syms["value"] != 0)]
-        names, values = keep["name"].tolist(), keep["value"].tolist()
-        del syms, keep  # release the views on the mapping
-        for name_off, value in zip(names, values):
-            end = strings.index(b"\0", name_off)
-            name = strings[name_off:end].decode(errors="replace").split("@", 1)[0]
-            out.setdefault(name, value)
-    return out
+        data = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # mapped, not read: libtorch is >400 MB
+    try:
+        if data[:4] != b"\x7fELF" or data[4] != 2:
+            raise NotAnElf(f"{path} is not a 64-bit ELF file")
+        e_shoff, = struct.unpack_from("<Q", data, 0x28)
+        e_shentsize, e_shnum = struct.unpack_from("<HH", data, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
+        out: dict[str, int] = {}
+        for sh in sections:
+            sh_type, sh_offset, sh_size, sh_link = sh[1], sh[4], sh[5], sh[6]
+            if sh_type not in (SHT_DYNSYM, SHT_SYMTAB):
+                continue
+            strtab = sections[sh_link]
+            strings = bytes(data[strtab[4]:strtab[4] + strtab[5]])
+            syms = np.frombuffer(data, dtype=ELF64_SYM, count=sh_size // ELF64_SYM.itemsize,
+                                 offset=sh_offset).copy()
+            kind = syms["info"] & 0xF
+            keep = syms[((kind == STT_FUNC) | (kind == STT_GNU_IFUNC)) & (syms["shndx"] != 0)
+                        & (syms["value"] != 0)]
+            if not everything:
+                hits = _hit_offsets(strings, set(exact), set(substrings))
+                keep = keep[np.isin(keep["name"], np.fromiter(hits, dtype=np.uint32, count=len(hits)))]
+            for name_off, value in zip(keep["name"].tolist(), keep["value"].tolist()):
+                end = strings.index(b"\0", name_off)
+                name = strings[name_off:end].decode(errors="replace").split("@", 1)[0]
+                out.setdefault(name, value)
+        return out
+    finally:
+        data.close()
 
 
 def demangle(names: list[str]) -> dict[str, str]:

@@ -134,7 +134,10 @@ def _narrow_ops(p: ProbeSpec, op_pattern: str) -> ProbeSpec:
 def resolve(lib: LibrarySpec, path: str) -> tuple[list[ResolvedProbe], list[str]]:
     """Concrete probes for one mapped library file, and the spec entries that
     matched nothing there (reported, never silent)."""
-    symbols = function_symbols(path)
+    exact = {p.symbol for p in lib.probes if p.symbol}
+    hints = {p.hint for p in lib.probes if p.pattern and p.hint}
+    unhinted = any(p.pattern and not p.hint for p in lib.probes)
+    symbols = function_symbols(path, exact, hints, everything=unhinted)
     found, missing = [], []
     for p in lib.probes:
         if p.symbol:

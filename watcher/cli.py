@@ -128,6 +128,28 @@ def info(rec: list[str] = typer.Argument(..., help="Recording(s) to summarise.")
         sys.stdout.write(summarise(recs))
 
 
+@app.command(epilog="Examples:\n\n  watcher analyze hang run.duckdb\n\n"
+                    "  watcher analyze crash node0.duckdb node1.duckdb --format json")
+def analyze(
+    kind: str = typer.Argument(..., help="hang or crash"),
+    rec: list[str] = typer.Argument(..., help="Recording(s) of the job (several nodes are merged)."),
+    format: str = typer.Option("text", "--format", "-f", help="text or json."),
+):
+    """Which rank, stuck or dead where, in which collective, and who never arrived."""
+    import json
+
+    from .analysis.incidents import analyze_crash, analyze_hang, render_text
+    from .store import Recordings
+
+    if kind not in ("hang", "crash"):
+        raise UsageError(f"unknown analysis {kind!r}: use hang or crash")
+    if format not in ("text", "json"):
+        raise UsageError(f"unknown --format {format!r}: use text or json")
+    with Recordings(rec) as recs:
+        report = analyze_hang(recs) if kind == "hang" else analyze_crash(recs)
+    sys.stdout.write(json.dumps(report, default=str, indent=2) + "\n" if format == "json" else render_text(report))
+
+
 @app.command()
 def check(pid: Optional[int] = typer.Option(None, "--pid", help="Also look for libtorch/libcudart/libnccl in this process.")):
     """Readiness check: kernel, BTF, tracefs, bcc, privileges, libraries, GPUs; names the fix for each failure."""

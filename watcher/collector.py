@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import __version__, schema
-from .bpf.events import RING_NAMES
+from .bpf.events import PROC_DLOPEN, RING_NAMES
 from .process_model import ProcessModel
 from .store import RecordingWriter
 
@@ -67,6 +67,8 @@ class Collector:
         self._cpu0 = _cpu_s()
         self._pending: dict[str, list[np.ndarray]] = {r: [] for r in RING_NAMES}
         self._pending_lock = threading.Lock()
+        self._loaded_in: set[int] = set()     # pids whose loader reported a new library
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self.last_stats: np.ndarray | None = None
         self.warnings: list[str] = []
@@ -98,6 +100,13 @@ class Collector:
     def poll(self) -> int:
         """Move every committed record out of the rings (cheap: one copy per ring)."""
         got = self.recorder.read()
+        proc = got.get("proc")
+        if proc is not None and len(proc):
+            loads = proc["pid"][proc["kind"] == PROC_DLOPEN]
+            if len(loads):
+                with self._pending_lock:
+                    self._loaded_in.update(int(p) for p in loads)
+                self._wake.set()
         n = 0
         with self._pending_lock:
             for ring, arr in got.items():
@@ -129,25 +138,36 @@ class Collector:
                 if now >= next_flush:
                     self.flush()
                     next_flush = now + self.flush_interval
-                self._stop.wait(min(0.1, max(0.0, next_flush - time.monotonic())))
+                elif self._loaded_in:
+                    self._scan_loaded()
+                self._wake.wait(min(0.1, max(0.0, next_flush - time.monotonic())))
+                self._wake.clear()
         finally:
             done.set()
             drainer.join()
         self.poll()
 
     # -- flush ---------------------------------------------------------------
-    def _take(self, ring: str) -> np.ndarray | None:
+    def _take_all(self) -> dict[str, np.ndarray | None]:
+        """Everything drained so far, from every ring at once: a fork event
+        and the child's first syscalls always land in the same flush."""
         with self._pending_lock:
-            parts = self._pending[ring]
-            if not parts:
-                return None
-            self._pending[ring] = []
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            taken = self._pending
+            self._pending = {r: [] for r in RING_NAMES}
+        return {ring: None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
+                for ring, parts in taken.items()}
 
     def flush(self, final: bool = False) -> None:
         m = self.model
         w = self.writer
-        proc = self._take("proc")
+        counters = final or self.stats.flushes % self.COUNTERS_EVERY == 0
+        if counters:
+            # Read the kernel's counters first, then drain: every thread they
+            # mention then has its fork/clone event among what is drained.
+            snapshot = (self.recorder.syscall_stats(), self.recorder.inflight(), self.recorder.drops())
+            self.poll()
+        batch = self._take_all()
+        proc = batch["proc"]
         if proc is not None:
             m.apply_proc_events(proc)
         self.scan_libraries()
@@ -155,28 +175,28 @@ class Collector:
             m.refresh_names()
         w.begin()
         try:
-            sc = self._take("syscall")
+            sc = batch["syscall"]
             if sc is not None:
                 w.append_syscalls(sc["ts"], sc["dur"], m.utids(sc["pid"], sc["tid"]), m.upids(sc["pid"]),
                                   sc["nr"], sc["ret"], sc["args"], sc["cpu"])
-            fx = self._take("futex")
+            fx = batch["futex"]
             if fx is not None:
                 w.append_futex(fx, m.utids(fx["pid"], fx["tid"]), m.upids(fx["pid"]),
                                np.where(fx["waker_tid"] > 0, m.utids_if_known(fx["waker_tid"]), -1))
-            ap = self._take("api")
+            ap = batch["api"]
             if ap is not None and self.library_calls is not None:
                 self.library_calls.write(ap, m.utids(ap["pid"], ap["tid"]), m.upids(ap["pid"]))
             if final and self.library_calls is not None:
                 self._write_calls_in_progress()
-            sg = self._take("signal")
+            sg = batch["signal"]
             if sg is not None:
                 known = np.isin(sg["pid"], np.fromiter(m.pid_to_upid, dtype=np.int64))
                 upid = np.full(len(sg), -1, dtype=np.int32)
                 upid[known] = m.upids(sg["pid"][known])
                 w.append_signals(sg, _utids_partial(m, sg, known), upid,
                                  m.utids_if_known(sg["target_tid"]))
-            if final or self.stats.flushes % self.COUNTERS_EVERY == 0:
-                self._write_counters()
+            if counters:
+                self._write_counters(*snapshot)
             if m.dirty:
                 w.replace_rows("process", [
                     (p.upid, p.pid, p.parent_upid, p.ppid, p.name, p.cmdline, p.exe, p.start_ts,
@@ -215,6 +235,22 @@ class Collector:
             if self.on_warning:
                 self.on_warning(note)
 
+    def _scan_loaded(self) -> None:
+        """A traced process just loaded a library: attach to it now, not at the next flush."""
+        with self._pending_lock:
+            pids, self._loaded_in = self._loaded_in, set()
+        prober = getattr(self.recorder, "prober", None)
+        if prober is None:
+            return
+        seen = len(prober.notes)
+        for w in prober.scan(sorted(pids)):
+            self.warnings.append(w)
+            if self.on_warning:
+                self.on_warning(f"warning: {w}")
+        for note in prober.notes[seen:]:
+            if self.on_warning:
+                self.on_warning(note)
+
     def _write_calls_in_progress(self) -> None:
         """Library calls entered and never returned: what a hung rank is inside."""
         ev = self.recorder.api_in_progress()
@@ -225,19 +261,17 @@ class Collector:
             upids = np.array([self.model.threads[u].upid for u in utids.tolist()], dtype=np.int32)
             self.library_calls.write(ev, utids, upids, entered=True)
 
-    def _write_counters(self) -> None:
+    def _write_counters(self, st, inflight, drops) -> None:
         m, w = self.model, self.writer
-        st = self.recorder.syscall_stats()
         self.last_stats = st
         w.replace_syscall_stats(st, m.utids(st["pid"], st["tid"]), m.upids(st["pid"]))
-        drops = self.recorder.drops()
         w.replace_rows("ring_drop", [(ring, cpu, n) for ring, per_cpu in drops.items()
                                      for cpu, n in enumerate(per_cpu)])
         for ring, per_cpu in drops.items():
             self.stats.drops[ring] = sum(per_cpu)
         now = monotonic_ns()
         rows = []
-        for tid, nr, ts, a0, a1 in self.recorder.inflight():
+        for tid, nr, ts, a0, a1 in inflight:
             utid = m.tid_to_utid.get(tid)
             if utid is None:
                 continue
