@@ -31,6 +31,7 @@
 #define NR_PPOLL 271
 #define NR_EPOLL_PWAIT 281
 #define NR_EPOLL_PWAIT2 441
+#define NR_URETPROBE 335
 
 #define WATCH_CLONE_THREAD 0x00010000ULL
 
@@ -350,7 +351,9 @@ RAW_TRACEPOINT_PROBE(sys_exit)
         return 0;
     }
 
-    if (!LOG_IDLE_POLLS && is_idle_poll(nr, ret, dur)) {
+    /* uretprobe(2) is the kernel's return-probe trampoline: our own library
+     * probes cause it.  Counted (in idle_skipped), never logged. */
+    if (nr == NR_URETPROBE || (!LOG_IDLE_POLLS && is_idle_poll(nr, ret, dur))) {
         if (s)
             s->idle++;
         in->ts = 0;

@@ -127,7 +127,7 @@ class KernelRecorder:
     def inflight(self) -> list[tuple[int, int, int, int, int]]:
         """(tid, nr, entry ts, arg0, arg1) of every traced thread inside a syscall."""
         return [(k.value, v.nr, v.ts, v.args[0], v.args[1])
-                for k, v in self.bpf["inflight"].items() if v.ts]
+                for k, v in self.bpf["inflight"].items() if v.ts and v.nr != 335]  # 335: uretprobe trampoline
 
     def api_in_progress(self) -> np.ndarray:
         """Library calls entered and not yet returned, as api_event records."""

@@ -27,20 +27,27 @@ class NotAnElf(ValueError):
     pass
 
 
-def _hit_offsets(strings: bytes, exact: set[str], substrings: set[str]) -> set[int]:
-    """Offsets of the names in a string table that equal one of `exact`
-    (optionally followed by @version) or contain one of `substrings`."""
-    hits = set()
+def _select(names: np.ndarray, strings: bytes, exact: set[str], substrings: set[str]) -> np.ndarray:
+    """Mask of the symbols (by st_name offset) whose name equals one of
+    `exact` (optionally followed by @version) or contains one of `substrings`.
+
+    String tables share suffixes, so a name may start in the middle of another
+    string: matches are found by position, never by string starts."""
+    buf = np.frombuffer(strings, dtype=np.uint8)
+    ends = np.flatnonzero(buf == 0)
+    name_end = ends[np.minimum(np.searchsorted(ends, names), len(ends) - 1)]
+    mask = np.zeros(len(names), dtype=bool)
     for name in exact:
-        for m in re.finditer(re.escape(b"\0" + name.encode()) + rb"(?=[\0@])", strings):
-            hits.add(m.start() + 1)
+        starts = [m.start() for m in re.finditer(re.escape(name.encode()) + rb"(?=[\0@])", strings)]
+        mask |= np.isin(names, np.array(starts, dtype=np.int64))
     for sub in substrings:
-        needle = sub.encode()
-        i = strings.find(needle)
-        while i >= 0:
-            hits.add(strings.rfind(b"\0", 0, i) + 1)
-            i = strings.find(needle, strings.find(b"\0", i) + 1)
-    return hits
+        hits = np.array([m.start() for m in re.finditer(re.escape(sub.encode()), strings)], dtype=np.int64)
+        if hits.size == 0:
+            continue
+        i = np.searchsorted(hits, names)
+        ok = i < hits.size
+        mask[ok] |= hits[i[ok]] < name_end[ok]
+    return mask
 
 
 def function_symbols(path: str, exact: set[str] = frozenset(), substrings: set[str] = frozenset(),
@@ -68,8 +75,7 @@ def function_symbols(path: str, exact: set[str] = frozenset(), substrings: set[s
             keep = syms[((kind == STT_FUNC) | (kind == STT_GNU_IFUNC)) & (syms["shndx"] != 0)
                         & (syms["value"] != 0)]
             if not everything:
-                hits = _hit_offsets(strings, set(exact), set(substrings))
-                keep = keep[np.isin(keep["name"], np.fromiter(hits, dtype=np.uint32, count=len(hits)))]
+                keep = keep[_select(keep["name"].astype(np.int64), strings, set(exact), set(substrings))]
             for name_off, value in zip(keep["name"].tolist(), keep["value"].tolist()):
                 end = strings.index(b"\0", name_off)
                 name = strings[name_off:end].decode(errors="replace").split("@", 1)[0]

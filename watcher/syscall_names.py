@@ -1,4 +1,5 @@
-"""x86_64 system call names by number (from the kernel's asm/unistd_64.h)."""
+"""x86_64 system call names by number (from the kernel's asm/unistd_64.h, plus
+the calls added after Linux 6.1)."""
 
 SYSCALL_NAMES: dict[int, str] = {
     0: "read",
@@ -363,6 +364,26 @@ SYSCALL_NAMES: dict[int, str] = {
     448: "process_mrelease",
     449: "futex_waitv",
     450: "set_mempolicy_home_node",
+    335: "uretprobe",
+    451: "cachestat",
+    452: "fchmodat2",
+    453: "map_shadow_stack",
+    454: "futex_wake",
+    455: "futex_wait",
+    456: "futex_requeue",
+    457: "statmount",
+    458: "listmount",
+    459: "lsm_get_self_attr",
+    460: "lsm_set_self_attr",
+    461: "lsm_list_modules",
+    462: "mseal",
+    463: "setxattrat",
+    464: "getxattrat",
+    465: "listxattrat",
+    466: "removexattrat",
+    467: "open_tree_attr",
+    468: "file_getattr",
+    469: "file_setattr",
 }
 
 
