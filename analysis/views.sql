@@ -93,3 +93,35 @@ SELECT w.utid AS waiter_utid, w.waker_utid, w.uaddr, w.ts AS wait_ts, w.dur AS w
 FROM futex w
 LEFT JOIN futex k ON k.kind = 'wake' AND k.utid = w.waker_utid AND k.ts = w.wake_ts
 WHERE w.kind = 'wait' AND w.waker_utid IS NOT NULL;
+
+-- view: cuda_call -- CUDA runtime calls (libcudart), with decoded errors: what each rank asked of the GPU.
+-- column: ts -- Entry time.
+-- column: dur -- Time in the call (NULL if it never returned).
+-- column: utid -- Calling thread.
+-- column: upid -- Calling process.
+-- column: rank -- torch.distributed rank of the process, if any.
+-- column: call -- CUDA function, e.g. cudaLaunchKernel, cudaMemcpyAsync.
+-- column: error -- cudaError_t name of the return value.
+-- column: failed -- True when the call did not return cudaSuccess.
+-- column: detail -- Decoded arguments.
+SELECT a.ts, a.dur, a.utid, a.upid, p.rank, a.symbol AS call, a.ret_name AS error,
+       a.ret IS NOT NULL AND a.ret <> 0 AS failed, a.detail
+FROM api_call a LEFT JOIN process p ON p.upid = a.upid
+WHERE a.library = 'libcudart'
+ORDER BY a.ts;
+
+-- view: nccl_call -- NCCL calls (libnccl) with decoded results: communicator set-up, collectives, groups, aborts.
+-- column: ts -- Entry time.
+-- column: dur -- Time in the call (NULL if it never returned).
+-- column: utid -- Calling thread.
+-- column: upid -- Calling process.
+-- column: rank -- torch.distributed rank of the process, if any.
+-- column: call -- NCCL function, e.g. ncclAllReduce, ncclCommInitRank.
+-- column: result -- ncclResult_t name of the return value.
+-- column: failed -- True when the call did not return ncclSuccess.
+-- column: detail -- Decoded arguments (count, datatype, op, comm, stream).
+SELECT a.ts, a.dur, a.utid, a.upid, p.rank, a.symbol AS call, a.ret_name AS result,
+       a.ret IS NOT NULL AND a.ret <> 0 AS failed, a.detail
+FROM api_call a LEFT JOIN process p ON p.upid = a.upid
+WHERE a.library = 'libnccl'
+ORDER BY a.ts;

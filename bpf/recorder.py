@@ -49,9 +49,16 @@ class RecorderConfig:
 
     @property
     def api_rows(self) -> int:
-        # 16 probe slots a row; operator patterns can expand to many symbols.
-        # Each row adds ~0.3 s of compile time.
-        return 8 if self.op_pattern else 4
+        """Rows of 16 probe slots.  Each row adds ~0.6 s of compile time (bcc
+        inlines every handler), so size it to the probe set: the default set
+        with room for a second copy of a library; operator patterns can expand
+        to many symbols."""
+        if self.op_pattern:
+            return 8
+        from ..uprobes.spec import load_specs, select
+
+        n = sum(len(lib.probes) for lib in select(load_specs(UPROBES_DIR), set(self.libraries), None))
+        return max(1, min(16, -(-(n * 3 // 2) // 16)))
 
     def cflags(self) -> list[str]:
         flags = [f"-I{HERE}", f"-DLOG_IDLE_POLLS={int(self.log_idle_polls)}", f"-DPID_MAX={pid_max()}",

@@ -143,6 +143,10 @@ def test_cudart_and_nccl_loaded_after_attach_are_probed_with_exact_returns(tmp_p
     assert rows["cudaMalloc"][0] == truth["malloc_rc"]
     [(detail,)] = query(out, "SELECT detail FROM api_call WHERE probe = 'cudaMalloc'")
     assert "size=1048576" in detail
+    assert query(out, "SELECT call, error, failed FROM cuda_call ORDER BY ts") == [
+        ("cudaGetDeviceCount", "cudaErrorInsufficientDriver", True),
+        ("cudaMalloc", "cudaErrorInsufficientDriver", True)]
+    assert query(out, "SELECT call, result, failed FROM nccl_call") == [("ncclGetVersion", "ncclSuccess", False)]
 
 
 @needs_libs

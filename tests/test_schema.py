@@ -22,7 +22,7 @@ def test_every_view_column_is_documented_and_exists():
     for stmt in schema.create_statements() + schema.view_statements():
         con.execute(stmt)
     assert {v.name for v in schema.VIEWS} == {"blocked_thread", "top_syscall", "thread_timeline",
-                                              "process_tree", "futex_handoff"}
+                                              "process_tree", "futex_handoff", "cuda_call", "nccl_call"}
     for v in schema.VIEWS:
         actual = [d[0] for d in con.execute(f"SELECT * FROM {v.name} LIMIT 0").description]
         assert actual == list(v.columns), v.name

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import __version__, schema
-from .bpf.events import PROC_DLOPEN, RING_NAMES
+from .bpf.events import PROC_DLOPEN, PROC_EXEC, RING_NAMES
 from .process_model import ProcessModel
 from .store import RecordingWriter
 
@@ -49,6 +49,9 @@ class Collector:
     # Exact counters, in-flight calls and drops are rewritten every this many
     # flushes (and at the end); events every flush.
     COUNTERS_EVERY = 5
+    # Library loads are reported by the loader probe as they happen; a full
+    # rescan of every process's maps is only the fallback.
+    RESCAN_EVERY = 10
 
     def __init__(self, recorder, writer: RecordingWriter, *, flush_interval: float = 1.0,
                  poll_interval: float = 0.05, max_size: int | None = None,
@@ -102,7 +105,8 @@ class Collector:
         got = self.recorder.read()
         proc = got.get("proc")
         if proc is not None and len(proc):
-            loads = proc["pid"][proc["kind"] == PROC_DLOPEN]
+            # A new image (exec) or a dlopen: its libraries may need probes now.
+            loads = proc["pid"][(proc["kind"] == PROC_DLOPEN) | (proc["kind"] == PROC_EXEC)]
             if len(loads):
                 with self._pending_lock:
                     self._loaded_in.update(int(p) for p in loads)
@@ -126,6 +130,7 @@ class Collector:
             done.wait(0.001 if busy else self.poll_interval)
 
     def run(self, should_stop=lambda: False) -> None:
+        self._cpu0 = _cpu_s()  # steady-state CPU: set-up and the first attach are not counted
         done = threading.Event()
         drainer = threading.Thread(target=self._drain, args=(done,), name="watcher-drain", daemon=True)
         drainer.start()
@@ -170,7 +175,8 @@ class Collector:
         proc = batch["proc"]
         if proc is not None:
             m.apply_proc_events(proc)
-        self.scan_libraries()
+        if final or self.stats.flushes % self.RESCAN_EVERY == 0:
+            self.scan_libraries()
         if self.stats.flushes % 4 == 0 or final:
             m.refresh_names()
         w.begin()
