@@ -54,7 +54,7 @@ class Collector:
     RESCAN_EVERY = 10
 
     def __init__(self, recorder, writer: RecordingWriter, *, flush_interval: float = 1.0,
-                 poll_interval: float = 0.05, max_size: int | None = None,
+                 poll_interval: float = 0.1, max_size: int | None = None,
                  ring_window_ns: int | None = None, on_flush=None):
         if flush_interval > 1.0:
             flush_interval = 1.0  # the bounded-loss promise
@@ -145,7 +145,7 @@ class Collector:
                     next_flush = now + self.flush_interval
                 elif self._loaded_in:
                     self._scan_loaded()
-                self._wake.wait(min(0.1, max(0.0, next_flush - time.monotonic())))
+                self._wake.wait(min(0.25, max(0.0, next_flush - time.monotonic())))
                 self._wake.clear()
         finally:
             done.set()
@@ -172,6 +172,11 @@ class Collector:
             snapshot = (self.recorder.syscall_stats(), self.recorder.inflight(), self.recorder.drops())
             self.poll()
         batch = self._take_all()
+        if not final and not counters and not m.dirty and all(v is None for v in batch.values()):
+            self.stats.flushes += 1  # nothing happened: no transaction to pay for
+            if self.on_flush:
+                self.on_flush(self)
+            return
         proc = batch["proc"]
         if proc is not None:
             m.apply_proc_events(proc)
