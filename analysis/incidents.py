@@ -42,7 +42,7 @@ def _rank_processes(recs) -> dict[int, dict]:
 
 def _state(recs, rank: int, proc: dict, n_calls: int = 5) -> RankState:
     upid = proc["upid"]
-    last = _rows(recs, f"SELECT group_index, seq, op, tensor_count, state, ts FROM collective "
+    last = _rows(recs, f"SELECT group_index, seq, op, tensor_count, numel, dtype, state, ts FROM collective "
                        f"WHERE upid = {upid} ORDER BY ts DESC LIMIT 1")
     blocked = _rows(recs, f"SELECT tid, thread_name, syscall, blocked_ns, arg0 FROM blocked_thread "
                           f"WHERE upid = {upid} ORDER BY blocked_ns DESC LIMIT 4")
@@ -60,19 +60,19 @@ def _world(recs) -> dict[int, dict]:
 
 def _first_disagreement(recs, ranks: set[int]) -> dict | None:
     """The first (group, seq) not issued by every rank, or issued differently."""
-    per = _rows(recs, "SELECT group_index, seq, rank, op, tensor_count, state FROM collective "
+    per = _rows(recs, "SELECT group_index, seq, rank, op, tensor_count, numel, dtype, state FROM collective "
                       "WHERE rank IS NOT NULL ORDER BY group_index, seq, rank")
     by_key: dict[tuple[int, int], list[dict]] = {}
     for r in per:
         by_key.setdefault((r["group_index"], r["seq"]), []).append(r)
     for (group, seq), rows in sorted(by_key.items()):
         present = {r["rank"] for r in rows}
-        ops = {(r["op"], r["tensor_count"]) for r in rows}
+        ops = {(r["op"], r["tensor_count"], r["numel"], r["dtype"]) for r in rows}
         if present != ranks or len(ops) > 1:
             return {"group_index": group, "seq": seq,
                     "issued_by": sorted(present), "missing": sorted(ranks - present),
-                    "ops": {r["rank"]: {"op": r["op"], "tensor_count": r["tensor_count"], "state": r["state"]}
-                            for r in rows},
+                    "ops": {r["rank"]: {"op": r["op"], "tensor_count": r["tensor_count"], "numel": r["numel"],
+                                        "dtype": r["dtype"], "state": r["state"]} for r in rows},
                     "mismatch": len(ops) > 1}
     return None
 

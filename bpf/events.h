@@ -105,10 +105,11 @@ struct api_event {
     u32 pid;
     u32 tid;
     u32 slot;        /* index into the collector's table of attached probes */
-    u32 flags;       /* bit 0: deref read ok */
+    u32 flags;       /* bit 0: deref read ok; bit 1: tensor[] read ok */
     s64 ret;         /* integer return value (rax) */
     u64 args[6];     /* integer argument registers at entry */
     u64 deref[2];    /* 16 bytes read from the pointer argument the spec names */
+    u64 tensor[2];   /* tensor_vector probes: first tensor's numel and raw dtype (flags bit 1) */
 };
 
 #endif

@@ -51,7 +51,7 @@ SIGNAL_EVENT = np.dtype([
 # struct api_event
 API_EVENT = np.dtype([
     ("ts", "<u8"), ("dur", "<u8"), ("pid", "<u4"), ("tid", "<u4"), ("slot", "<u4"), ("flags", "<u4"),
-    ("ret", "<i8"), ("args", "<u8", (6,)), ("deref", "<u8", (2,)),
+    ("ret", "<i8"), ("args", "<u8", (6,)), ("deref", "<u8", (2,)), ("tensor", "<u8", (2,)),
 ])
 
 EVENT_DTYPES = {

@@ -144,7 +144,7 @@ class KernelRecorder:
             return np.empty(0, dtype=API_EVENT)
         rows = []
         for k, v in self.bpf["api_inflight"].items():
-            rows.append((v.ts, 0, 0, k.tid, k.slot, v.flags, 0, tuple(v.args), tuple(v.deref)))
+            rows.append((v.ts, 0, 0, k.tid, k.slot, v.flags, 0, tuple(v.args), tuple(v.deref), tuple(v.tensor)))
         return np.array(rows, dtype=API_EVENT)
 
     def drops(self) -> dict[str, list[int]]:

@@ -22,6 +22,7 @@ int main(void) {
     printf("proc.argv %zu\n", offsetof(struct proc_event, argv));
     printf("futex.wake_ts %zu\n", offsetof(struct futex_event, wake_ts));
     printf("syscall.nr %zu\n", offsetof(struct syscall_event, nr));
+    printf("api.tensor %zu\n", offsetof(struct api_event, tensor));
     return 0;
 }
 """
@@ -41,3 +42,4 @@ def test_struct_sizes_and_offsets_match(tmp_path):
     assert int(out["proc.argv"]) == events.PROC_EVENT.fields["argv"][1]
     assert int(out["futex.wake_ts"]) == events.FUTEX_EVENT.fields["wake_ts"][1]
     assert int(out["syscall.nr"]) == events.SYSCALL_EVENT.fields["nr"][1]
+    assert int(out["api.tensor"]) == events.API_EVENT.fields["tensor"][1]

@@ -26,17 +26,38 @@ NCCL = (glob.glob(f"{SITE}/nvidia/nccl/lib/libnccl.so.*") or [None])[0]
 needs_libs = pytest.mark.skipif(not (CUDART and NCCL), reason="nvidia-cuda-runtime / nvidia-nccl-cu13 not installed")
 
 
+def test_tensor_layout_is_measured_for_this_libtorch():
+    import torch
+
+    from watcher.uprobes.tensor_layout import cached_layout, layout_for
+
+    lib = [l.split()[-1] for l in open("/proc/self/maps") if "libtorch_cpu" in l][0]
+    layout = layout_for(lib)
+    assert layout is not None and cached_layout(lib) == layout
+    names = {name: size for name, size in layout["dtypes"].values()}
+    assert names["float32"] == 4 and names["bfloat16"] == 2 and names["int64"] == 8
+    assert torch.ones(1)._cdata  # the address the offsets are relative to
+
+
 @needs_bpf
 def test_gloo_collectives_recorded_with_op_and_sequence_on_both_ranks(tmp_path):
+    # numel/dtype need the TensorImpl layout; measured once per libtorch and cached
+    # (a recording started with a cold cache fills them in a second or two later)
+    from watcher.uprobes.tensor_layout import layout_for
+
+    assert layout_for(glob.glob(f"{SITE}/torch/lib/libtorch_cpu.so")[0]) is not None
     out = tmp_path / "coll.duckdb"
     proc = record(out, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                   str(ROOT / "tests" / "workloads" / "collectives.py"), "normal", timeout=600)
     assert proc.returncode == 0, proc.stderr
-    rows = query(out, "SELECT rank, op, seq, tensor_count, state FROM collective ORDER BY rank, seq")
-    expected = ([("allreduce", 1)] * 5 + [("broadcast", 1)] * 3 + [("allgather", 1)] * 2 + [("barrier", None)])
+    rows = query(out, "SELECT rank, op, seq, tensor_count, numel, dtype, bytes, state FROM collective "
+                      "ORDER BY rank, seq")
+    t = (1, 1000, "float32", 4000)        # one tensor of 1000 float32 (the all_gather input)
+    expected = [("allreduce", t)] * 5 + [("broadcast", t)] * 3 + [("allgather", t)] * 2 + \
+        [("barrier", (None, None, None, None))]
     for rank in (0, 1):
         mine = [r[1:] for r in rows if r[0] == rank]
-        assert mine == [(op, seq, n, "returned") for seq, (op, n) in enumerate(expected)], rank
+        assert mine == [(op, seq, *d, "returned") for seq, (op, d) in enumerate(expected)], rank
     assert query(out, "SELECT count(DISTINCT group_index) FROM collective") == [(1,)]
 
 

@@ -11,6 +11,8 @@ struct api_cfg_t {
     s32 deref_arg;      /* argument whose pointee is read (16 bytes), -1 none */
     u32 deref_at_exit;  /* read at return (out-parameters) rather than entry */
     u32 entry_only;     /* emit at entry, do not wait for the return */
+    s32 numel_off;      /* tensor_vector: TensorImpl offset of numel, -1 unknown */
+    s32 dtype_off;      /* tensor_vector: TensorImpl offset of the dtype index, -1 unknown */
     u32 pad;
 };
 
@@ -23,6 +25,7 @@ struct api_inflight_t {
     u64 ts;
     u64 args[6];
     u64 deref[2];
+    u64 tensor[2];
     u32 flags;
     u32 pad;
 };
@@ -55,8 +58,26 @@ static __always_inline u32 api_deref(struct api_cfg_t *cfg, u64 *args, u64 *out)
     return bpf_probe_read_user(out, 4, (void *)p) == 0;
 }
 
+/* deref[0] is the begin of a std::vector<at::Tensor>; an at::Tensor is one
+ * intrusive pointer to its TensorImpl, where numel and the dtype index live
+ * at offsets measured for this libtorch (uprobes/tensor_layout.py). */
+static __always_inline u32 api_tensor(struct api_cfg_t *cfg, u64 *deref, u64 *out)
+{
+    if (cfg->numel_off < 0 || cfg->dtype_off < 0 || deref[1] <= deref[0])
+        return 0;
+    u64 impl = 0;
+    if (bpf_probe_read_user(&impl, sizeof(impl), (void *)deref[0]) || !impl)
+        return 0;
+    u16 dtype = 0;
+    if (bpf_probe_read_user(&out[0], sizeof(u64), (void *)(impl + (cfg->numel_off & 0xfff))) ||
+        bpf_probe_read_user(&dtype, sizeof(dtype), (void *)(impl + (cfg->dtype_off & 0xfff))))
+        return 0;
+    out[1] = dtype;
+    return 2;
+}
+
 static __always_inline void api_emit(u32 tgid, u32 tid, u32 slot, u64 ts, u64 dur, s64 ret,
-                                     u64 *args, u64 *deref, u32 flags)
+                                     u64 *args, u64 *deref, u64 *tensor, u32 flags)
 {
     struct api_event *e = api_ring.ringbuf_reserve(sizeof(struct api_event));
     if (!e) {
@@ -75,6 +96,8 @@ static __always_inline void api_emit(u32 tgid, u32 tid, u32 slot, u64 ts, u64 du
         e->args[i] = args[i];
     e->deref[0] = deref[0];
     e->deref[1] = deref[1];
+    e->tensor[0] = tensor[0];
+    e->tensor[1] = tensor[1];
     api_ring.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
 }
 
@@ -90,10 +113,13 @@ static __always_inline int api_on_entry(struct pt_regs *ctx, u32 slot)
     struct api_inflight_t v = {};
     v.ts = bpf_ktime_get_ns();
     api_read_args(ctx, v.args);
-    if (!cfg->deref_at_exit)
+    if (!cfg->deref_at_exit) {
         v.flags = api_deref(cfg, v.args, v.deref);
+        if (v.flags)
+            v.flags |= api_tensor(cfg, v.deref, v.tensor);
+    }
     if (cfg->entry_only) {
-        api_emit(tgid, tid, slot, v.ts, 0, 0, v.args, v.deref, v.flags);
+        api_emit(tgid, tid, slot, v.ts, 0, 0, v.args, v.deref, v.tensor, v.flags);
         return 0;
     }
     struct api_key_t key = {.tid = tid, .slot = slot};
@@ -113,7 +139,7 @@ static __always_inline int api_on_exit(struct pt_regs *ctx, u32 slot)
     if (cfg && cfg->deref_at_exit)
         v->flags = api_deref(cfg, v->args, v->deref);
     api_emit(tgid, tid, slot, v->ts, bpf_ktime_get_ns() - v->ts, PT_REGS_RC(ctx), v->args, v->deref,
-             v->flags);
+             v->tensor, v->flags);
     api_inflight.delete(&key);
     return 0;
 }

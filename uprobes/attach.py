@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 
 from .spec import LibrarySpec, ResolvedProbe, resolve
@@ -22,7 +23,8 @@ LOADER = re.compile(r"^ld-linux.*\.so")
 
 class _Cfg(ctypes.Structure):
     _fields_ = [("deref_arg", ctypes.c_int32), ("deref_at_exit", ctypes.c_uint32),
-                ("entry_only", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+                ("entry_only", ctypes.c_uint32), ("numel_off", ctypes.c_int32),
+                ("dtype_off", ctypes.c_int32), ("pad", ctypes.c_uint32)]
 
 
 def mapped_files(pid: int) -> set[str]:
@@ -48,6 +50,7 @@ class LibraryProber:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     loaders: set = field(default_factory=set)
+    tensor_layouts: dict = field(default_factory=dict)   # libtorch path -> measured TensorImpl layout
 
     def scan(self, pids) -> list[str]:
         """Attach to libraries newly mapped by `pids`; returns new warnings."""
@@ -91,6 +94,15 @@ class LibraryProber:
         found, missing = resolve(lib, path)
         warnings = list(missing)
         before = len(self.slots)
+        layout = None
+        tensor_slots: list[int] = []
+        wants_layout = any(p.spec.deref and p.spec.deref.type == "tensor_vector" for p in found)
+        if wants_layout:
+            from .tensor_layout import cached_layout
+
+            layout = cached_layout(path)
+            if layout is not None:
+                self.tensor_layouts[path] = layout
         for probe in found:
             if len(self.slots) >= self.capacity:
                 warnings.append(f"probe capacity ({self.capacity}) reached: {probe.display} in {path} "
@@ -98,8 +110,10 @@ class LibraryProber:
                 break
             slot = len(self.slots)
             spec = probe.spec
+            tensor = layout if spec.deref and spec.deref.type == "tensor_vector" and layout else None
             cfg = _Cfg(spec.deref.arg if spec.deref else -1,
-                       int(bool(spec.deref and spec.deref.at_exit)), int(spec.entry_only), 0)
+                       int(bool(spec.deref and spec.deref.at_exit)), int(spec.entry_only),
+                       tensor["numel_off"] if tensor else -1, tensor["dtype_off"] if tensor else -1, 0)
             self.bpf["api_cfg"][ctypes.c_int(slot)] = cfg
             r, c = divmod(slot, 16)
             try:
@@ -112,8 +126,29 @@ class LibraryProber:
                 warnings.append(f"cannot attach {probe.display} in {path}: {str(e).strip()}")
                 continue
             self.slots.append(probe)
+            if spec.deref and spec.deref.type == "tensor_vector":
+                tensor_slots.append(slot)
         self.notes.append(f"attached {len(self.slots) - before} {lib.library} probes to {path}")
+        if wants_layout and layout is None:
+            # Measuring takes a torch import (~2 s): the probes fire meanwhile,
+            # and numel/dtype appear once the offsets are known.
+            threading.Thread(target=self._measure_layout, args=(path, tensor_slots), daemon=True).start()
         return warnings
+
+    def _measure_layout(self, path: str, slots: list[int]) -> None:
+        from .tensor_layout import layout_for
+
+        layout = layout_for(path)
+        if layout is None:
+            self.warnings.append(f"tensor layout of {path} not measurable with this watcher's torch: "
+                                 "collective numel/dtype left NULL")
+            return
+        self.tensor_layouts[path] = layout
+        table = self.bpf["api_cfg"]
+        for slot in slots:
+            cfg = table[ctypes.c_int(slot)]
+            cfg.numel_off, cfg.dtype_off = layout["numel_off"], layout["dtype_off"]
+            table[ctypes.c_int(slot)] = cfg
 
     def libraries_missing(self) -> list[str]:
         seen = {lib.library for lib in self.specs

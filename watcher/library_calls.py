@@ -49,10 +49,17 @@ class LibraryCallWriter:
                     self._groups_per_process[upid] = self._group_index[key] + 1
                 seq = self._seq.get(key, 0)
                 self._seq[key] = seq + 1
+                numel = dtype = nbytes = None
+                layout = self.prober.tensor_layouts.get(probe.path)
+                if layout and int(e["flags"]) & 2:
+                    numel = int(e["tensor"][0])
+                    name_size = layout["dtypes"].get(int(e["tensor"][1]))
+                    if name_size:
+                        dtype, nbytes = name_size[0], numel * name_size[1]
                 colls.append((cid, int(e["ts"]), None if entered else int(e["dur"]), utid, upid,
                               self.model.processes[upid].rank, spec.name.split(".", 1)[0], pg,
                               self._group_index[key], seq, spec.collective,
                               dval if spec.deref and spec.deref.type == "tensor_vector" else None,
-                              "entered" if entered else "returned"))
+                              numel, dtype, nbytes, "entered" if entered else "returned"))
         self.writer.append_rows("api_call", calls)
         self.writer.append_rows("collective", colls)

@@ -163,6 +163,9 @@ TABLES: tuple[Table, ...] = (
         C("seq", "INTEGER", "Per (process, group) sequence number of the collective, from 0."),
         C("op", "VARCHAR", "allreduce, broadcast, allgather, reduce_scatter, alltoall, barrier, send, recv."),
         C("tensor_count", "INTEGER", "Tensors in the call's tensor list, NULL where not decoded."),
+        C("numel", "BIGINT", "Elements of the first tensor, NULL where not decoded."),
+        C("dtype", "VARCHAR", "dtype of the first tensor (float32, bfloat16, ...), NULL where not decoded."),
+        C("bytes", "BIGINT", "numel times the element size of the first tensor."),
         C("state", "VARCHAR", "'returned' once the call returned, 'entered' if it never did."),
     )),
     Table("syscall_stat", "Exact per-thread per-syscall totals, including calls that were counted but not logged.", (
