@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "recorder.bpf.c"
 
 KERNEL_PROBES = ("syscall", "futex", "proc", "signal")
-LIBRARY_PROBES = ("libtorch", "libcudart", "libnccl")   # uprobes/<name>.toml
+LIBRARY_PROBES = ("libtorch", "libtorch_cuda", "libcudart", "libnccl")   # uprobes/<name>.toml
 ALL_PROBES = KERNEL_PROBES + LIBRARY_PROBES
 
 # Ring sizes in pages (powers of two).  The syscall ring (32 MiB) holds
@@ -50,15 +50,15 @@ class RecorderConfig:
     @property
     def api_rows(self) -> int:
         """Rows of 16 probe slots.  Each row adds ~0.6 s of compile time (bcc
-        inlines every handler), so size it to the probe set: the default set
-        with room for a second copy of a library; operator patterns can expand
+        inlines every handler), so size it to the probe set with a quarter
+        spare (a library mapped from two files); operator patterns can expand
         to many symbols."""
         if self.op_pattern:
             return 8
         from ..uprobes.spec import load_specs, select
 
         n = sum(len(lib.probes) for lib in select(load_specs(UPROBES_DIR), set(self.libraries), None))
-        return max(1, min(16, -(-(n * 3 // 2) // 16)))
+        return max(1, min(16, -(-(n * 5 // 4) // 16)))
 
     def cflags(self) -> list[str]:
         flags = [f"-I{HERE}", f"-DLOG_IDLE_POLLS={int(self.log_idle_polls)}", f"-DPID_MAX={pid_max()}",

@@ -193,8 +193,9 @@ def test_ops_pattern_matching_nothing_is_reported(tmp_path):
 
 def test_every_spec_loads_and_names_known_types():
     specs = {s.library: s for s in load_specs()}
-    assert set(specs) == {"libtorch", "libcudart", "libnccl"}
+    assert set(specs) == {"libtorch", "libtorch_cuda", "libcudart", "libnccl"}
     names = {p.name for s in specs.values() for p in s.probes}
     for want in ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize", "ncclAllReduce",
-                 "ncclCommInitRank", "ncclCommAbort", "ncclGroupStart", "gloo.allreduce", "gloo.barrier", "op"):
+                 "ncclCommInitRank", "ncclCommAbort", "ncclGroupStart", "gloo.allreduce", "gloo.barrier", "op",
+                 "nccl.allreduce"):
         assert want in names, want

@@ -61,7 +61,7 @@ def test_meta_describes_the_recording(tmp_path, py):
     assert meta["schema_version"] == "1"
     assert meta["complete"] == "true"
     assert meta["mode"] == "record"
-    assert meta["probes"] == "syscall,futex,proc,signal,libtorch,libcudart,libnccl"
+    assert meta["probes"] == "syscall,futex,proc,signal,libtorch,libtorch_cuda,libcudart,libnccl"
     assert int(meta["end_ts"]) > int(meta["start_ts"])
     assert meta["drops"] == "0"
     assert meta["target_cmdline"].endswith("-c pass")

@@ -15,6 +15,8 @@ def test_torchrun_job_records_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr
     ranks = query(out, "SELECT rank, exit_code, parent_upid FROM process WHERE rank IS NOT NULL ORDER BY rank")
     assert [r[0] for r in ranks] == [0, 1]
+    assert query(out, "SELECT rank, local_rank, world_size FROM process WHERE rank IS NOT NULL ORDER BY rank") \
+        == [(0, 0, 2), (1, 1, 2)]
     assert all(code == 0 for _, code, _ in ranks)
     [(launcher_upid,)] = query(out, "SELECT upid FROM process WHERE parent_upid IS NULL OR upid = 0 ORDER BY upid LIMIT 1")
     assert {r[2] for r in ranks} == {launcher_upid}   # both ranks are children of torchrun

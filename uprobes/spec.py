@@ -52,6 +52,7 @@ class ProbeSpec:
     collective: str | None
     entry_only: bool
     hint: str = ""       # a substring every matching mangled name contains (cheap prefilter)
+    optional: bool = False  # absent from some builds (e.g. NCCL in a CPU torch): no warning
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def _probe(library: str, raw: dict) -> ProbeSpec:
         deref = Deref(int(d["arg"]), d["type"], d["name"], d.get("at", "exit") == "exit")
     return ProbeSpec(library, name, raw.get("symbol"), raw.get("pattern"), args, ret, deref,
                      bool(raw.get("default", False)), raw.get("family", library), raw.get("collective"),
-                     bool(raw.get("entry_only", False)), raw.get("hint", ""))
+                     bool(raw.get("entry_only", False)), raw.get("hint", ""), bool(raw.get("optional", False)))
 
 
 def load_specs(directory: Path = HERE) -> list[LibrarySpec]:
@@ -128,7 +129,7 @@ def _narrow_ops(p: ProbeSpec, op_pattern: str) -> ProbeSpec:
         raise UsageError(f"bad --ops pattern {op_pattern!r}: {e}") from None
     pattern = rf"^at::_ops::(?P<op>{op_pattern})::call\("
     return ProbeSpec(p.library, p.name, None, pattern, p.args, p.ret, p.deref, True, p.family,
-                     p.collective, p.entry_only, p.hint)
+                     p.collective, p.entry_only, p.hint, p.optional)
 
 
 def resolve(lib: LibrarySpec, path: str) -> tuple[list[ResolvedProbe], list[str]]:
@@ -143,7 +144,7 @@ def resolve(lib: LibrarySpec, path: str) -> tuple[list[ResolvedProbe], list[str]
         if p.symbol:
             if p.symbol in symbols:
                 found.append(ResolvedProbe(p, path, p.symbol, p.symbol))
-            else:
+            elif not p.optional:
                 missing.append(f"{p.name}: symbol {p.symbol} not in {path}")
             continue
         hint = p.hint
@@ -159,6 +160,6 @@ def resolve(lib: LibrarySpec, path: str) -> tuple[list[ResolvedProbe], list[str]
                 display = m.groupdict().get("op") or pretty.split("(", 1)[0]
                 found.append(ResolvedProbe(p, path, mangled, display))
                 matched += 1
-        if not matched:
+        if not matched and not p.optional:
             missing.append(f"{p.name}: 0 functions matched {p.pattern!r} in {path}")
     return found, missing

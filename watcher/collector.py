@@ -211,7 +211,8 @@ class Collector:
             if m.dirty:
                 w.replace_rows("process", [
                     (p.upid, p.pid, p.parent_upid, p.ppid, p.name, p.cmdline, p.exe, p.start_ts,
-                     p.end_ts, p.exit_code, p.exit_signal, p.rank) for p in m.processes])
+                     p.end_ts, p.exit_code, p.exit_signal, p.rank, p.local_rank, p.world_size)
+                    for p in m.processes])
                 w.replace_rows("thread", [
                     (t.utid, t.tid, t.upid, t.name, t.start_ts, t.end_ts,
                      t.tid == m.processes[t.upid].pid) for t in m.threads])

@@ -28,6 +28,8 @@ class ProcessRow:
     exit_code: int | None = None
     exit_signal: int | None = None
     rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
     threads: list[int] = field(default_factory=list)
 
 
@@ -54,16 +56,26 @@ def _cstr(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
-def read_rank(pid: int) -> int | None:
-    """torch.distributed RANK from a live process's environment."""
-    env = _read(f"/proc/{pid}/environ")
-    for item in env.split("\0"):
-        if item.startswith("RANK="):
+def read_ranks(pid: int) -> tuple[int | None, int | None, int | None]:
+    """(RANK, LOCAL_RANK, WORLD_SIZE) from a live process's environment, as
+    torchrun and most launchers set them."""
+    found: dict[str, int | None] = {}
+    for item in _read(f"/proc/{pid}/environ").split("\0"):
+        key, _, value = item.partition("=")
+        if key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
             try:
-                return int(item[5:])
+                found[key] = int(value)
             except ValueError:
-                return None
-    return None
+                found[key] = None
+    return found.get("RANK"), found.get("LOCAL_RANK"), found.get("WORLD_SIZE")
+
+
+def _set_ranks(p: "ProcessRow") -> bool:
+    rank, local, world = read_ranks(p.pid)
+    if rank is None:
+        return False
+    p.rank, p.local_rank, p.world_size = rank, local, world
+    return True
 
 
 def decode_wait_status(status: int) -> tuple[int | None, int | None]:
@@ -114,7 +126,7 @@ class ProcessModel:
             row.exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:
             pass
-        row.rank = read_rank(pid)
+        _set_ranks(row)
         try:
             tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
         except OSError:
@@ -180,7 +192,7 @@ class ProcessModel:
                 if argv:
                     p.cmdline = " ".join(argv)
                 if p.rank is None:
-                    p.rank = read_rank(pid)
+                    _set_ranks(p)
                 self.dirty = True
             elif kind == PROC_EXIT:
                 utid = self.tid_to_utid.get(tid)
@@ -212,7 +224,5 @@ class ProcessModel:
                     self.dirty = True
         for p in self.processes:
             if p.end_ts is None and p.rank is None and p.start_ts is not None:
-                r = read_rank(p.pid)
-                if r is not None:
-                    p.rank = r
+                if _set_ranks(p):
                     self.dirty = True

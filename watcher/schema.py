@@ -74,6 +74,8 @@ TABLES: tuple[Table, ...] = (
         C("exit_code", "INTEGER", "Exit code when it exited normally, else NULL."),
         C("exit_signal", "INTEGER", "Signal number that killed it, else NULL."),
         C("rank", "INTEGER", "torch.distributed RANK from the process environment, NULL when not a rank."),
+        C("local_rank", "INTEGER", "LOCAL_RANK from the process environment."),
+        C("world_size", "INTEGER", "WORLD_SIZE from the process environment."),
     )),
     Table("thread", "One row per thread seen in the traced tree.", (
         C("utid", "INTEGER", "Surrogate thread id, unique within the recording.", True),
