@@ -74,6 +74,10 @@ BPF_HASH(inflight, u32, struct inflight_t, 65536);
 BPF_HASH(syscall_stats, struct stat_key_t, struct stat_val_t, 131072);
 BPF_TABLE("lru_hash", u32, struct waker_t, wakers, 65536);
 BPF_HASH(exit_status, u32, s32, 65536);
+/* Last default-fatal signal sent to a traced process: the kernel turns a
+ * fatal non-core signal into SIGKILL for every thread, so delivery alone
+ * would report SIGKILL for a SIGTERM. */
+BPF_HASH(pending_fatal, u32, s32, 65536);
 BPF_HASH(exec_args, u32, struct exec_args_t, 1024);
 BPF_PERCPU_ARRAY(exec_scratch, struct exec_args_t, 1);
 BPF_PERCPU_ARRAY(drops, u64, RING_COUNT);
@@ -286,23 +290,28 @@ RAW_TRACEPOINT_PROBE(sys_exit)
         s->dur += dur;
     }
 
-    if ((nr == NR_WAIT4 || nr == NR_WAITID) && ret > 0) {
+    /* A traced parent reaped a child: the authoritative exit status.
+     * wait4 returns the child's pid; waitid returns 0 and fills a siginfo. */
+    if ((nr == NR_WAIT4 && ret > 0) || (nr == NR_WAITID && ret == 0)) {
         read_args(regs, in->args);
         in->have_args = 1;
-        /* A traced parent reaped a child: the authoritative exit status. */
         s32 status = -1;
-        u32 child = ret;
+        u32 child = 0;
         if (nr == NR_WAIT4) {
-            bpf_probe_read_user(&status, sizeof(status), (void *)in->args[1]);
+            child = ret;
+            if (!in->args[1] || bpf_probe_read_user(&status, sizeof(status), (void *)in->args[1]))
+                status = -1;  /* NULL status pointer: nothing to learn */
         } else {
             s32 si[7] = {};
-            if (bpf_probe_read_user(&si, sizeof(si), (void *)in->args[2]) == 0) {
+            /* si_code CLD_EXITED=1 carries an exit code, CLD_KILLED=2/CLD_DUMPED=3 a signal */
+            if (in->args[2] && bpf_probe_read_user(&si, sizeof(si), (void *)in->args[2]) == 0 &&
+                si[4] != 0 && si[2] >= 1 && si[2] <= 3) {
                 child = si[4];
-                /* si_code CLD_EXITED=1 carries an exit code, otherwise a signal */
                 status = si[2] == 1 ? ((si[6] & 0xff) << 8) : (si[6] & 0x7f);
             }
         }
-        emit_proc(PROC_REAP, tgid, child, tgid, tid, status, 0);
+        if (child && status != -1)
+            emit_proc(PROC_REAP, tgid, child, tgid, tid, status, 0);
     }
 
     if (nr == NR_FUTEX) {
@@ -488,7 +497,11 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     inflight.delete(&tid);
     exec_args.delete(&tid);
     s32 status = -1;
+#if HAVE_GROUP_DEAD
     u64 group_dead = args->group_dead ? 1 : 0;
+#else
+    u64 group_dead = tid == tgid;  /* kernels before group_dead: the leader's exit stands for the group */
+#endif
     if (group_dead) {
         s32 *st = exit_status.lookup(&tgid);
         if (st) {
@@ -497,8 +510,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
         }
     }
     emit_proc(PROC_EXIT, tgid, tid, 0, 0, status, group_dead);
-    if (group_dead)
+    if (group_dead) {
         set_traced(tgid, 0);
+        pending_fatal.delete(&tgid);
+    }
     return 0;
 }
 
@@ -519,6 +534,10 @@ TRACEPOINT_PROBE(signal, signal_generate)
     /* Sent by a traced process, or to one (target is a tgid for kill(2)). */
     if (!is_traced(tgid) && !is_traced(target))
         return 0;
+    if (is_traced(target) && args->sig != 9 && default_fatal(args->sig)) {
+        s32 sig = args->sig;
+        pending_fatal.update(&target, &sig);
+    }
 #if PROBE_SIGNAL
     struct signal_event *e = signal_ring.ringbuf_reserve(sizeof(struct signal_event));
     if (!e) {
@@ -550,7 +569,14 @@ TRACEPOINT_PROBE(signal, signal_deliver)
         /* Default action kills the process: that is its exit status unless
          * an exit_group already set one. */
         s32 status = sig;
+        if (sig == 9) {
+            s32 *sent = pending_fatal.lookup(&tgid);
+            if (sent)
+                status = *sent;
+        }
         exit_status.insert(&tgid, &status);
+    } else if (args->sa_handler != 0) {
+        pending_fatal.delete(&tgid);  /* handled: it did not kill */
     }
 #if PROBE_SIGNAL
     struct signal_event *e = signal_ring.ringbuf_reserve(sizeof(struct signal_event));

@@ -62,6 +62,7 @@ class RecorderConfig:
 
     def cflags(self) -> list[str]:
         flags = [f"-I{HERE}", f"-DLOG_IDLE_POLLS={int(self.log_idle_polls)}", f"-DPID_MAX={pid_max()}",
+                 f"-DHAVE_GROUP_DEAD={int(has_group_dead())}",
                  f"-DPOLL_LOG_MIN_NS={int(self.poll_log_min_ns)}ULL"]
         for probe in KERNEL_PROBES:
             flags.append(f"-DPROBE_{probe.upper()}={int(probe in self.probes)}")
@@ -70,6 +71,17 @@ class RecorderConfig:
         for ring, pages in self.ring_pages.items():
             flags.append(f"-DRING_PAGES_{ring.upper()}={pages}")
         return flags
+
+
+def has_group_dead() -> bool:
+    """sched_process_exit gained `group_dead` after Linux 6.1."""
+    for base in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        try:
+            with open(f"{base}/events/sched/sched_process_exit/format") as f:
+                return "group_dead" in f.read()
+        except OSError:
+            continue
+    return False
 
 
 def pid_max() -> int:
@@ -115,7 +127,11 @@ class KernelRecorder:
         return bool(self._traced[ctypes.c_int(pid)].value)
 
     def read(self) -> dict[str, np.ndarray]:
-        return {ring: r.read() for ring, r in self.readers.items()}
+        # The proc ring last: a fork or clone is emitted before anything the
+        # new task does, so every task seen in the other rings has its
+        # creation event in this same read.
+        order = [r for r in self.readers if r != "proc"] + (["proc"] if "proc" in self.readers else [])
+        return {ring: self.readers[ring].read() for ring in order}
 
     def pending_fraction(self) -> float:
         return max(r.pending_bytes() / r.size for r in self.readers.values())

@@ -48,6 +48,8 @@ class RingReader:
         """Return every committed record as a copy and release the space."""
         cons = int(self._cons[0])
         avail = int(self._prod[0]) - cons
+        if avail < 0 or avail > self.size or avail % self.stride:
+            raise RuntimeError(f"ring buffer positions inconsistent (consumer {cons}, {avail} bytes pending)")
         n = avail // self.stride
         if n <= 0:
             return np.empty(0, dtype=self.record["ev"])

@@ -145,3 +145,21 @@ def test_target_exiting_during_attach(tmp_path):
     assert res.stderr.strip().splitlines() == [f"watcher: pid {target.pid} exited during attach"] or \
         res.stderr.strip().startswith(f"watcher: no process with pid {target.pid}")
     assert not out.exists()
+
+
+def test_sigterm_death_of_an_unreaped_process_is_recorded_as_sigterm(tmp_path):
+    # The target's parent (this test) is not traced, so no wait4 is seen: the
+    # status must come from the kernel's view of the signal, which turns a
+    # fatal SIGTERM into SIGKILL for every thread.
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    out = tmp_path / "term-target.duckdb"
+    w = _start_watcher(["attach", "--pid", str(target.pid), "--out", str(out)])
+    try:
+        _wait_for(w.stderr, "Ctrl-C to stop")
+        target.send_signal(signal.SIGTERM)
+        assert target.wait(30) == -signal.SIGTERM
+        assert w.wait(60) == 0
+    finally:
+        target.kill()
+        w.kill()
+    assert query(out, f"SELECT exit_code, exit_signal FROM process WHERE pid = {target.pid}") == [(None, 15)]

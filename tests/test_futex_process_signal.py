@@ -31,14 +31,19 @@ FUTEX_HANDOFF = textwrap.dedent("""
                 futex(i, FUTEX_WAIT, k)
 
     def blocked_on(i):
+        # In futex(2) on this word, and asleep in the kernel (wchan is set only
+        # once the thread has been queued and scheduled out): a wake now must
+        # find it, so the handoff is deterministic.
         try:
             with open(f"/proc/self/task/{tids[i]}/syscall") as f:
                 fields = f.read().split()
+            with open(f"/proc/self/task/{tids[i]}/wchan") as f:
+                wchan = f.read()
         except OSError:
             return False
-        return fields[0] == "202" and int(fields[1], 16) == addr[i]
+        return fields[0] == "202" and int(fields[1], 16) == addr[i] and "futex" in wchan
 
-    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(N)]
+    threads = [threading.Thread(target=waiter, args=(i,), daemon=True) for i in range(N)]
     for t in threads:
         t.start()
     for k in range(K):

@@ -71,7 +71,10 @@ class LibraryProber:
                     if key in self.attached_files:
                         continue
                     self.attached_files[key] = path
-                    new_warnings += self._attach_library(lib, path)
+                    try:
+                        new_warnings += self._attach_library(lib, path)
+                    except Exception as e:  # an unreadable or odd library must not stop the recording
+                        new_warnings.append(f"cannot probe {path}: {type(e).__name__}: {e}")
         self.warnings += new_warnings
         return new_warnings
 
@@ -116,14 +119,22 @@ class LibraryProber:
                        tensor["numel_off"] if tensor else -1, tensor["dtype_off"] if tensor else -1, 0)
             self.bpf["api_cfg"][ctypes.c_int(slot)] = cfg
             r, c = divmod(slot, 16)
+            entry_attached = False
             try:
                 self.bpf.attach_uprobe(name=path.encode(), sym=probe.symbol.encode(),
                                        fn_name=f"api_entry_{r}_{c}".encode())
+                entry_attached = True
                 if not spec.entry_only:
                     self.bpf.attach_uretprobe(name=path.encode(), sym=probe.symbol.encode(),
                                               fn_name=f"api_exit_{r}_{c}".encode())
             except Exception as e:  # bcc raises plain Exception
                 warnings.append(f"cannot attach {probe.display} in {path}: {str(e).strip()}")
+                if entry_attached:
+                    # the slot is reused by the next probe: it must not keep firing for this one
+                    try:
+                        self.bpf.detach_uprobe(name=path.encode(), sym=probe.symbol.encode())
+                    except Exception:
+                        self.slots.append(probe)  # cannot free it: keep it labelled correctly
                 continue
             self.slots.append(probe)
             if spec.deref and spec.deref.type == "tensor_vector":

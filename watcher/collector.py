@@ -70,6 +70,8 @@ class Collector:
         self._cpu0 = _cpu_s()
         self._pending: dict[str, list[np.ndarray]] = {r: [] for r in RING_NAMES}
         self._pending_lock = threading.Lock()
+        self._poll_lock = threading.Lock()
+        self.drain_error: BaseException | None = None
         self._loaded_in: set[int] = set()     # pids whose loader reported a new library
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -101,7 +103,13 @@ class Collector:
         return self._stop.is_set()
 
     def poll(self) -> int:
-        """Move every committed record out of the rings (cheap: one copy per ring)."""
+        """Move every committed record out of the rings (cheap: one copy per ring).
+        Called from the drain thread and the main thread: one reader at a time,
+        and the records reach `_pending` before another poll or a take."""
+        with self._poll_lock:
+            return self._poll_locked()
+
+    def _poll_locked(self) -> int:
         got = self.recorder.read()
         proc = got.get("proc")
         if proc is not None and len(proc):
@@ -124,7 +132,12 @@ class Collector:
         """Keep the rings empty while the main thread decodes and writes (DuckDB
         releases the GIL while it works), so a long flush never overflows them."""
         while not done.is_set():
-            self.poll()
+            try:
+                self.poll()
+            except Exception as e:  # surfaced on the main thread, never silent
+                self.drain_error = e
+                self._wake.set()
+                return
             # Poll faster when a ring is filling up, so bursts do not drop.
             busy = self.recorder.pending_fraction() >= 0.1
             done.wait(0.001 if busy else self.poll_interval)
@@ -137,6 +150,8 @@ class Collector:
         try:
             next_flush = time.monotonic() + self.flush_interval
             while not self._stop.is_set():
+                if self.drain_error is not None:
+                    raise self.drain_error
                 if should_stop():
                     break
                 now = time.monotonic()
@@ -156,7 +171,7 @@ class Collector:
     def _take_all(self) -> dict[str, np.ndarray | None]:
         """Everything drained so far, from every ring at once: a fork event
         and the child's first syscalls always land in the same flush."""
-        with self._pending_lock:
+        with self._poll_lock, self._pending_lock:
             taken = self._pending
             self._pending = {r: [] for r in RING_NAMES}
         return {ring: None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -227,7 +242,7 @@ class Collector:
             w.con.execute("ROLLBACK")
             raise
         self.stats.flushes += 1
-        if self.max_size and w.size_bytes() > self.max_size:
+        if self.max_size and w.used_bytes() > self.max_size:
             self._prune_for_size()
         if self.on_flush:
             self.on_flush(self)
@@ -296,7 +311,7 @@ class Collector:
     # -- bounded storage -------------------------------------------------------
     def _prune_older_than(self, cutoff: int) -> None:
         now = monotonic_ns()
-        for table in ("syscall", "futex", "signal"):
+        for table in PRUNABLE:
             n = self.writer.con.execute(f"SELECT count(*) FROM {table} WHERE ts < ?", [cutoff]).fetchone()[0]
             if n:
                 self.writer.con.execute(f"DELETE FROM {table} WHERE ts < ?", [cutoff])
@@ -307,11 +322,14 @@ class Collector:
         """Drop the oldest quarter of the recorded time span, then checkpoint so
         the freed blocks are reused."""
         con = self.writer.con
-        lo, hi = con.execute("SELECT min(ts), max(ts) FROM syscall").fetchone()
+        span = " UNION ALL ".join(f"SELECT min(ts) AS lo, max(ts) AS hi FROM {t}" for t in PRUNABLE)
+        lo, hi = con.execute(f"SELECT min(lo), max(hi) FROM ({span})").fetchone()
         if lo is None or hi is None or hi <= lo:
             return
+        # Cut to about 3/4 of the cap, so the next flushes do not prune again at once.
+        keep = max(0.0, min(1.0, 0.75 * self.max_size / max(self.writer.used_bytes(), 1)))
         con.execute("BEGIN TRANSACTION")
-        self._prune_older_than(lo + (hi - lo) // 4)
+        self._prune_older_than(hi - int((hi - lo) * keep))
         con.execute("COMMIT")
         con.execute("CHECKPOINT")
 
@@ -327,6 +345,10 @@ class Collector:
                                  self.recorder, "prober", None) else 0,
                              **{f"events_{r}": n for r, n in self.stats.events.items()},
                              **{f"drops_{r}": n for r, n in self.stats.drops.items()}, **facts)
+
+
+# Event tables pruned (oldest first) by --max-size and --ring-minutes.
+PRUNABLE = ("syscall", "futex", "signal", "api_call", "collective")
 
 
 def _cpu_s() -> float:

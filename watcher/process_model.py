@@ -206,9 +206,10 @@ class ProcessModel:
                         p.exit_code, p.exit_signal = code, sig
                 self.dirty = True
             elif kind == PROC_REAP:
-                # The parent's wait status is authoritative.
+                # The parent's wait status is authoritative (stop/continue reports are not exits).
+                code = int(e["code"])
                 child = self.pid_to_upid.get(tid)
-                if child is not None:
+                if child is not None and (code & 0xFF) != 0x7F and code != 0xFFFF:
                     p = self.processes[child]
                     p.exit_code, p.exit_signal = decode_wait_status(int(e["code"]))
                     self.dirty = True

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+
+import duckdb
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from .bpf.recorder import ALL_PROBES, RecorderConfig
 from .collector import Collector, monotonic_ns
 from .errors import RecordingError, TargetError, UsageError
 from .privileges import explain_compile_failure, require_bcc, require_bpf_privileges
-from .store import RecordingWriter
+from .store import RecordingWriter, give_to_invoking_user
 
 
 @dataclass
@@ -132,6 +134,8 @@ class Session:
         self.collector: Collector | None = None
         self._interrupts = 0
         self._live = None
+        self._before_finish = None
+        self._finishing = False
 
     def _tree_alive(self) -> bool:
         """Any recorded process still running (as far as the last flush knows)?"""
@@ -189,17 +193,20 @@ class Session:
         self._load()
         c = self.collector
         t0 = monotonic_ns()
-        self.recorder.trace(pid)
-        c.model.adopt_live(pid, _ppid(pid), t0)
-        for child, parent in _descendants(pid):
-            self.recorder.trace(child)
-            c.model.adopt_live(child, parent, t0)
-        if not _alive(pid):
-            self._abandon()
-            raise TargetError(f"pid {pid} exited during attach")
-        c.scan_libraries()
-        cmdline = c.model.processes[0].cmdline
-        c.write_start_meta(target_pid=pid, cmdline=cmdline, mode="attach", probes=self.config.probes)
+        try:
+            self.recorder.trace(pid)
+            c.model.adopt_live(pid, _ppid(pid), t0)
+            for child, parent in _descendants(pid):
+                self.recorder.trace(child)
+                c.model.adopt_live(child, parent, t0)
+            if not _alive(pid):
+                raise TargetError(f"pid {pid} exited during attach")
+            c.scan_libraries()
+            cmdline = c.model.processes[0].cmdline
+            c.write_start_meta(target_pid=pid, cmdline=cmdline, mode="attach", probes=self.config.probes)
+        except BaseException:
+            self._abandon()  # nothing half-written left looking valid
+            raise
         self._say(f"Recording PID {pid} ({cmdline[:60].replace(chr(10), ' ')}) to {self.config.out}... Ctrl-C to stop")
 
         def gone() -> bool:
@@ -225,7 +232,8 @@ class Session:
                     os._exit(126)  # the recorder failed to start
                 os.close(r)
                 os.set_inheritable(err_w, False)
-                for sig in (signal.SIGINT, signal.SIGTERM):
+                # The job gets default dispositions, not the ones Python set here.
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ):
                     signal.signal(sig, signal.SIG_DFL)
                 os.execvp(argv[0], argv)
             except OSError as e:
@@ -242,10 +250,17 @@ class Session:
         os.close(r)
         os.close(err_w)
         t0 = monotonic_ns()
-        self.recorder.trace(pid)
-        c.model.adopt_live(pid, os.getpid(), t0)
-        c.write_start_meta(target_pid=pid, cmdline=" ".join(argv), mode="record",
-                           probes=self.config.probes)
+        try:
+            self.recorder.trace(pid)
+            c.model.adopt_live(pid, os.getpid(), t0)
+            c.write_start_meta(target_pid=pid, cmdline=" ".join(argv), mode="record",
+                               probes=self.config.probes)
+        except BaseException:
+            os.close(w)  # the held child reads EOF and exits without running anything
+            os.close(err_r)
+            os.waitpid(pid, 0)
+            self._abandon()
+            raise
         os.write(w, b"x")
         os.close(w)
         failure = os.read(err_r, 512).decode()
@@ -273,6 +288,16 @@ class Session:
             # Let the rest of the tree finish, within reason.
             return not self._tree_alive() or monotonic_ns() - self._child_exit_ns > 2e9
 
+        def note_child_status() -> None:
+            # We reaped the root ourselves: its wait status is exact.
+            if self.child_status is not None and c.model.processes:
+                from .process_model import decode_wait_status
+
+                root = c.model.processes[0]
+                root.exit_code, root.exit_signal = decode_wait_status(self.child_status)
+                c.model.dirty = True
+
+        self._before_finish = note_child_status
         result = self._run(done, t0, forward_to=pid)
         status = self.child_status
         if status is not None:
@@ -288,6 +313,8 @@ class Session:
 
         def on_signal(signum, frame):
             self._interrupts += 1
+            if self._finishing:
+                return
             if forward_to is not None and self._interrupts == 1:
                 # The child decides when it is done; a second signal stops now.
                 try:
@@ -299,6 +326,7 @@ class Session:
             c.stop()
 
         self._grace_deadline = None
+        self._finishing = False
         old = self._install_signals(on_signal)
         try:
             def should_stop() -> bool:
@@ -313,26 +341,47 @@ class Session:
                 return self._grace_deadline is not None and now >= self._grace_deadline
 
             c.run(should_stop)
+        except (duckdb.Error, OSError) as e:
+            self._restore(old)
+            raise RecordingError(f"cannot write {self.config.out}: {e}") from None
+        try:
+            # A Ctrl-C while the recording is finalised only counts; the file
+            # is finished either way.
+            self._finishing = True
+            if self._before_finish:
+                self._before_finish()
+            return self._finish(t0)
+        except (duckdb.Error, OSError) as e:
+            raise RecordingError(f"cannot finish {self.config.out}: {e}") from None
         finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-            result = self._finish(t0)
-        return result
+            self._restore(old)
+
+    @staticmethod
+    def _restore(old: dict) -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
     def _dump_ring(self) -> Path:
         """Flight-recorder mode: write the in-memory window out now."""
         c = self.collector
         c.flush()
         out = self.config.out
-        if out.exists():
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            out = out.with_name(f"{out.stem}-{stamp}{out.suffix}")
+        n = 0
+        while True:  # never overwrite an earlier dump, even two in one second
+            try:
+                os.close(os.open(out, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                os.unlink(out)
+                break
+            except FileExistsError:
+                n += 1
+                out = self.config.out.with_name(
+                    f"{self.config.out.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{n}{self.config.out.suffix}")
         c.writer.con.execute(f"ATTACH '{out}' AS dump")
         try:
             c.writer.con.execute("COPY FROM DATABASE memory TO dump")
         finally:
             c.writer.con.execute("DETACH dump")
-        os.chmod(out, 0o600)
+        give_to_invoking_user(out)
         self._say(f"Wrote the last {self.config.ring_minutes:g} min to {out}")
         return out
 

@@ -153,7 +153,7 @@ class RecordingWriter:
                  "result": ev["result"].astype(np.int32)}
         self._insert("signal", batch,
                      "SELECT b.ts, CASE b.kind WHEN 1 THEN 'generate' ELSE 'deliver' END, b.signo, "
-                     "coalesce(s.name, 'SIG' || b.signo), b.utid, "
+                     "coalesce(s.name, 'SIG' || b.signo), CASE WHEN b.utid < 0 THEN NULL ELSE b.utid END, "
                      "CASE WHEN b.upid < 0 THEN NULL ELSE b.upid END, b.sender_pid, b.target_tid, "
                      "CASE WHEN b.target_utid < 0 THEN NULL ELSE b.target_utid END, b.code, "
                      "CASE WHEN b.kind = 1 THEN b.result ELSE NULL END "
@@ -193,6 +193,18 @@ class RecordingWriter:
                      "SELECT b.utid, b.upid, b.nr, coalesce(n.name, 'syscall_' || b.nr), b.count, "
                      "b.dur, b.logged, b.idle FROM _batch b LEFT JOIN _syscall_name n USING (nr)")
 
+    def used_bytes(self) -> int:
+        """Space the data takes (blocks in use plus the WAL): DuckDB reuses the
+        blocks a DELETE frees but does not shrink the file."""
+        try:
+            total, free, block = self.con.execute(
+                "SELECT total_blocks, free_blocks, block_size FROM pragma_database_size()").fetchone()
+            used = (total - free) * block
+        except duckdb.Error:
+            used = 0
+        wal = Path(str(self.path) + ".wal")
+        return used + (wal.stat().st_size if wal.exists() else 0)
+
     def size_bytes(self) -> int:
         total = 0
         for p in (self.path, Path(str(self.path) + ".wal")):
@@ -207,10 +219,18 @@ class RecordingWriter:
             self.con.execute("CHECKPOINT")
         finally:
             self.con.close()
-        try:
-            os.chmod(self.path, 0o600)
-        except OSError:
-            pass
+        give_to_invoking_user(self.path)
+
+
+def give_to_invoking_user(path: Path) -> None:
+    """Owner-only, and owned by the user who ran sudo, so they can query it."""
+    try:
+        os.chmod(path, 0o600)
+        uid, gid = os.environ.get("SUDO_UID"), os.environ.get("SUDO_GID")
+        if os.geteuid() == 0 and uid and gid:
+            os.chown(path, int(uid), int(gid))
+    except (OSError, ValueError):
+        pass
 
 
 def _as_frame(columns: dict[str, list]):
@@ -249,8 +269,12 @@ def expected_size(head: bytes) -> int | None:
 def _check_file(path: Path) -> None:
     if not path.exists():
         raise RecordingError(f"{path}: no such recording")
-    with open(path, "rb") as f:
-        head = f.read(3 * HEADER_SIZE)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(3 * HEADER_SIZE)
+    except OSError as e:
+        raise RecordingError(f"{path}: cannot read ({e.strerror}); recordings are owner-only: "
+                             "use sudo, or chown the file") from None
     if len(head) < 12 or head[8:12] != b"DUCK":
         raise RecordingError(f"{path}: not a Watcher recording (corrupt or truncated file)")
     want = expected_size(head)
@@ -269,8 +293,11 @@ def _attachable(path: Path, tmpdir: Path) -> Path:
     if not wal.exists():
         return path
     copy = tmpdir / path.name
-    shutil.copyfile(path, copy)
-    shutil.copyfile(wal, Path(str(copy) + ".wal"))
+    try:
+        shutil.copyfile(path, copy)
+        shutil.copyfile(wal, Path(str(copy) + ".wal"))
+    except OSError as e:
+        raise RecordingError(f"{path}: cannot copy the live recording to {tmpdir}: {e.strerror}") from None
     # Replay the WAL once, in the copy.
     try:
         duckdb.connect(str(copy)).close()
