@@ -179,10 +179,25 @@ class ProcessModel:
         for e in ev[np.argsort(ev["ts"], kind="stable")]:
             kind, pid, tid, ts = int(e["kind"]), int(e["pid"]), int(e["tid"]), int(e["ts"])
             if kind == PROC_FORK:
-                self.new_process(pid, int(e["ppid"]), ts)
-                self.new_thread(pid, pid, ts, _cstr(e["comm"]))
+                known = self.pid_to_upid.get(pid)
+                if known is not None and self.processes[known].end_ts is None:
+                    # Already adopted from /proc while attaching (it was born
+                    # during the scan): a live pid cannot be a second process.
+                    p = self.processes[known]
+                    p.ppid, p.start_ts = int(e["ppid"]), ts
+                    p.parent_upid = self.pid_to_upid.get(p.ppid)
+                    self.dirty = True
+                else:
+                    self.new_process(pid, int(e["ppid"]), ts)
+                    self.new_thread(pid, pid, ts, _cstr(e["comm"]))
             elif kind == PROC_THREAD:
-                self.new_thread(pid, tid, ts, _cstr(e["comm"]))
+                known = self.tid_to_utid.get(tid)
+                if known is not None and self.threads[known].end_ts is None \
+                        and self.processes[self.threads[known].upid].pid == pid:
+                    self.threads[known].start_ts = ts  # adopted during the scan, same thread
+                    self.dirty = True
+                else:
+                    self.new_thread(pid, tid, ts, _cstr(e["comm"]))
             elif kind == PROC_EXEC:
                 p = self.processes[self.upid(pid)]
                 p.name = _cstr(e["comm"])
