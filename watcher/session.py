@@ -113,6 +113,15 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
+def _terminal_sent_it() -> bool:
+    """Is this process in its terminal's foreground group (so a Ctrl-C there
+    went to the whole group, the recorded child included)?"""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False
+
+
 def _alive(pid: int) -> bool:
     """Running, not a zombie waiting to be reaped."""
     try:
@@ -317,10 +326,13 @@ class Session:
                 return
             if forward_to is not None and self._interrupts == 1:
                 # The child decides when it is done; a second signal stops now.
-                try:
-                    os.kill(forward_to, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
-                except ProcessLookupError:
-                    pass
+                # A Ctrl-C at the terminal already reached the child (same
+                # foreground process group): do not send it a second one.
+                if not (signum == signal.SIGINT and _terminal_sent_it()):
+                    try:
+                        os.kill(forward_to, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+                    except ProcessLookupError:
+                        pass
                 self._grace_deadline = time.monotonic() + 10
                 return
             c.stop()
