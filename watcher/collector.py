@@ -249,34 +249,26 @@ class Collector:
 
     def scan_libraries(self) -> None:
         """Attach library probes to libraries the traced processes mapped since
-        the last scan (dlopen after attach is picked up here)."""
-        prober = getattr(self.recorder, "prober", None)
-        if prober is None:
-            return
-        live = [p.pid for p in self.model.processes if p.end_ts is None]
-        seen = len(prober.notes)
-        for w in prober.scan(live):
-            self.warnings.append(w)
-            if self.on_warning:
-                self.on_warning(f"warning: {w}")
-        for note in prober.notes[seen:]:
-            if self.on_warning:
-                self.on_warning(note)
+        the last scan (the fallback; loads are normally reported as they happen)."""
+        self._scan([p.pid for p in self.model.processes if p.end_ts is None])
 
     def _scan_loaded(self) -> None:
         """A traced process just loaded a library: attach to it now, not at the next flush."""
         with self._pending_lock:
             pids, self._loaded_in = self._loaded_in, set()
+        self._scan(sorted(pids))
+
+    def _scan(self, pids: list[int]) -> None:
         prober = getattr(self.recorder, "prober", None)
         if prober is None:
             return
         seen = len(prober.notes)
-        for w in prober.scan(sorted(pids)):
-            self.warnings.append(w)
-            if self.on_warning:
+        warnings = prober.scan(pids)
+        self.warnings += warnings
+        if self.on_warning:
+            for w in warnings:
                 self.on_warning(f"warning: {w}")
-        for note in prober.notes[seen:]:
-            if self.on_warning:
+            for note in prober.notes[seen:]:
                 self.on_warning(note)
 
     def _write_calls_in_progress(self) -> None:
