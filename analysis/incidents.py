@@ -54,10 +54,6 @@ def _state(recs, rank: int, proc: dict, n_calls: int = 5) -> RankState:
                      last[0] if last else None, blocked, calls, sys_)
 
 
-def _world(recs) -> dict[int, dict]:
-    return _rank_processes(recs)
-
-
 def _first_disagreement(recs, ranks: set[int]) -> dict | None:
     """The first (group, seq) not issued by every rank, or issued differently."""
     per = _rows(recs, "SELECT group_index, seq, rank, op, tensor_count, numel, dtype, state FROM collective "
@@ -78,7 +74,7 @@ def _first_disagreement(recs, ranks: set[int]) -> dict | None:
 
 
 def analyze_hang(recs) -> dict:
-    world = _world(recs)
+    world = _rank_processes(recs)
     if not world:
         return {"kind": "hang", "verdict": "no ranks found (no process had RANK in its environment)"}
     ranks = set(world)
@@ -100,7 +96,7 @@ def analyze_hang(recs) -> dict:
 
 
 def analyze_crash(recs) -> dict:
-    world = _world(recs)
+    world = _rank_processes(recs)
     dead = {r: p for r, p in world.items()
             if p["exit_signal"] is not None or (p["exit_code"] not in (None, 0))}
     if not dead:

@@ -153,6 +153,34 @@ static __always_inline int is_idle_poll(u32 nr, s64 ret, u64 dur)
            nr == NR_POLL || nr == NR_PPOLL || nr == NR_SELECT || nr == NR_PSELECT6;
 }
 
+/* Writes one syscall row; `args` NULL means read them from the registers
+ * (only logged calls pay for that read).  Returns 1 if queued. */
+static __always_inline int emit_syscall(u64 ts, u64 dur, u32 tgid, u32 tid, s64 ret, u32 nr,
+                                        u64 *args, struct pt_regs *regs)
+{
+    struct syscall_event *e = syscall_ring.ringbuf_reserve(sizeof(struct syscall_event));
+    if (!e) {
+        count_drop(RING_SYSCALL);
+        return 0;
+    }
+    e->ts = ts;
+    e->dur = dur;
+    e->pid = tgid;
+    e->tid = tid;
+    e->ret = ret;
+    if (args) {
+        #pragma unroll
+        for (int i = 0; i < 6; i++)
+            e->args[i] = args[i];
+    } else {
+        read_args(regs, e->args);
+    }
+    e->nr = nr;
+    e->cpu = bpf_get_smp_processor_id();
+    syscall_ring.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    return 1;
+}
+
 static __always_inline struct stat_val_t *stat_slot(u32 tgid, u32 tid, u32 nr)
 {
     struct stat_key_t key = {.pid = tgid, .tid = tid, .nr = nr};
@@ -219,23 +247,7 @@ RAW_TRACEPOINT_PROBE(sys_enter)
             exit_status.update(&tgid, &status);
         }
 #if PROBE_SYSCALL
-        struct syscall_event *e = syscall_ring.ringbuf_reserve(sizeof(struct syscall_event));
-        if (!e) {
-            count_drop(RING_SYSCALL);
-            return 0;
-        }
-        e->ts = now;
-        e->dur = 0;
-        e->pid = tgid;
-        e->tid = tid;
-        e->ret = 0;
-        #pragma unroll
-        for (int i = 0; i < 6; i++)
-            e->args[i] = sargs[i];
-        e->nr = nr;
-        e->cpu = bpf_get_smp_processor_id();
-        syscall_ring.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-        if (s)
+        if (emit_syscall(now, 0, tgid, tid, 0, nr, sargs, regs) && s)
             s->logged++;
 #endif
         return 0;
@@ -370,28 +382,7 @@ RAW_TRACEPOINT_PROBE(sys_exit)
     }
 
 #if PROBE_SYSCALL
-    struct syscall_event *e = syscall_ring.ringbuf_reserve(sizeof(struct syscall_event));
-    if (!e) {
-        count_drop(RING_SYSCALL);
-        in->ts = 0;
-        return 0;
-    }
-    e->ts = in->ts;
-    e->dur = dur;
-    e->pid = tgid;
-    e->tid = tid;
-    e->ret = ret;
-    if (in->have_args) {
-        #pragma unroll
-        for (int i = 0; i < 6; i++)
-            e->args[i] = in->args[i];
-    } else {
-        read_args(regs, e->args);
-    }
-    e->nr = nr;
-    e->cpu = bpf_get_smp_processor_id();
-    syscall_ring.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
-    if (s)
+    if (emit_syscall(in->ts, dur, tgid, tid, ret, nr, in->have_args ? in->args : 0, regs) && s)
         s->logged++;
 #endif
     in->ts = 0;

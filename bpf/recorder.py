@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ class RecorderConfig:
     def with_uprobes(self) -> bool:
         return bool(self.libraries or self.op_pattern)
 
-    @property
+    @cached_property
     def api_rows(self) -> int:
         """Rows of 16 probe slots.  Each row adds ~0.6 s of compile time (bcc
         inlines every handler), so size it to the probe set with a quarter

@@ -94,6 +94,14 @@ def attach_window(tmp: Path, i: int, pid: int, window_s: float) -> tuple[tuple[i
     return (lo, hi), facts
 
 
+def print_table(rows: list[tuple[str, str, str]], last: str) -> None:
+    w = max(len("metric"), *(len(r[0]) for r in rows))
+    v = max(len("measured"), *(len(r[1]) for r in rows))
+    print(f"\n{'metric':<{w}}  {'measured':>{v}}  {last}")
+    for name, val, note in rows:
+        print(f"{name:<{w}}  {val:>{v}}  {note}")
+
+
 def bench_overhead(tmp: Path, pairs: int, window_s: float) -> dict:
     """Steps taken while the recorder compiles or finalises belong to neither window."""
     st = tmp / "ov.steps"
@@ -207,10 +215,7 @@ def main() -> None:
         ("size: bytes per event (storm)", f"{th['bytes_per_event']:.1f}", ""),
         ("size: MB per rank-minute (workload)", f"{ov['mb_per_rank_minute']:.2f}", ""),
     ]
-    w = max(len(r[0]) for r in rows)
-    print(f"\n{'metric':<{w}}  {'measured':>22}  target")
-    for name, val, target in rows:
-        print(f"{name:<{w}}  {val:>22}  {target}")
+    print_table(rows, "target")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"overhead": ov, "throughput": th,

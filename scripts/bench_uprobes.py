@@ -144,10 +144,9 @@ def main() -> None:
         ov = results["overhead"]
         rows.append(("reference workload: median step-time ratio", f"{ov['median_ratio']:.3f}",
                      f"target <= 1.03; pairs {[round(r, 3) for r in ov['ratios']]}"))
-    w = max(len(r[0]) for r in rows)
-    print(f"\n{'metric':<{w}}  {'measured':>12}  note")
-    for name, val, note in rows:
-        print(f"{name:<{w}}  {val:>12}  {note}")
+    from bench_recorder import print_table
+
+    print_table(rows, "note")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(out.read_text()) if out.exists() and args.only else {}

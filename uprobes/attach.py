@@ -27,6 +27,16 @@ class _Cfg(ctypes.Structure):
                 ("dtype_off", ctypes.c_int32), ("pad", ctypes.c_uint32)]
 
 
+def _file_key(path: str) -> tuple[int, int] | None:
+    """A file's identity (uprobes are per inode): the same library reached by
+    two paths, or mapped by many processes, is probed once."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def mapped_files(pid: int) -> set[str]:
     out = set()
     try:
@@ -63,12 +73,8 @@ class LibraryProber:
                 for lib in self.specs:
                     if not lib.file_pattern.search(os.path.basename(path)):
                         continue
-                    try:
-                        st = os.stat(path)
-                    except OSError:
-                        continue
-                    key = (st.st_dev, st.st_ino)
-                    if key in self.attached_files:
+                    key = _file_key(path)
+                    if key is None or key in self.attached_files:
                         continue
                     self.attached_files[key] = path
                     try:
@@ -80,12 +86,8 @@ class LibraryProber:
 
     def _watch_loader(self, path: str) -> None:
         """Follow dlopen in every process using this ld.so (once per file)."""
-        try:
-            st = os.stat(path)
-        except OSError:
-            return
-        key = (st.st_dev, st.st_ino)
-        if key in self.loaders:
+        key = _file_key(path)
+        if key is None or key in self.loaders:
             return
         self.loaders.add(key)
         try:

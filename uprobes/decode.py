@@ -3,8 +3,6 @@ and the `detail` text of an api_call row."""
 
 from __future__ import annotations
 
-import struct
-
 CUDA_ERRORS = {
     0: "cudaSuccess", 1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation",
     3: "cudaErrorInitializationError", 4: "cudaErrorCudartUnloading", 35: "cudaErrorInsufficientDriver",
@@ -79,9 +77,3 @@ def detail(spec, args: list[int], deref: int | None, symbolizer=None) -> str:
         parts.append(f"{spec.deref.name}={deref}")
     return " ".join(parts)
 
-
-def pack_ok(flags: int) -> bool:
-    return bool(flags & 1)
-
-
-__all__ = ["ret_name", "arg_text", "deref_value", "detail", "struct"]

@@ -54,6 +54,9 @@ class ProbeSpec:
     hint: str = ""       # a substring every matching mangled name contains (cheap prefilter)
     optional: bool = False  # absent from some builds (e.g. NCCL in a CPU torch): no warning
 
+    def arg_index(self, name: str) -> int | None:
+        return next((i for i, a in enumerate(self.args) if a.name == name), None)
+
 
 @dataclass(frozen=True)
 class LibrarySpec:

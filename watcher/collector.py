@@ -22,6 +22,7 @@ from . import __version__, schema
 from .bpf.events import PROC_DLOPEN, PROC_EXEC, RING_NAMES
 from .process_model import ProcessModel
 from .store import RecordingWriter
+from .syscall_names import syscall_name
 
 
 def monotonic_ns() -> int:
@@ -295,8 +296,6 @@ class Collector:
             utid = m.tid_to_utid.get(tid)
             if utid is None:
                 continue
-            from .syscall_names import syscall_name
-
             rows.append((now, utid, m.threads[utid].upid, nr, syscall_name(nr), ts, a0, a1))
         w.replace_rows("inflight_syscall", rows)
 

@@ -41,8 +41,7 @@ class LibraryCallWriter:
                           spec.name, probe.display, ret, None if entered else ret_name(spec.ret, ret),
                           *args, dval, detail(spec, args, dval), probe.path))
             if spec.collective:
-                names = [a.name for a in spec.args]
-                pg = args[names.index("pg")] if "pg" in names else 0
+                pg = args[spec.arg_index("pg")] if spec.arg_index("pg") is not None else 0
                 key = (upid, pg)
                 if key not in self._group_index:
                     self._group_index[key] = self._groups_per_process.get(upid, 0)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import sys
 import time
 
-import numpy as np
-
 from .syscall_names import syscall_name
 
 

@@ -173,14 +173,7 @@ class RecordingWriter:
     def replace_rows(self, table: str, rows: list[tuple]) -> None:
         """Rewrite a small mutable table (process, thread, stats) in full."""
         self.con.execute(f"DELETE FROM {table}")
-        if rows:
-            cols = schema.TABLE_BY_NAME[table].column_names
-            batch = {c: [r[i] for r in rows] for i, c in enumerate(cols)}
-            self.con.register("_rows", _as_frame(batch))
-            try:
-                self.con.execute(f"INSERT INTO {table} SELECT {', '.join(cols)} FROM _rows")
-            finally:
-                self.con.unregister("_rows")
+        self.append_rows(table, rows)
 
     def replace_syscall_stats(self, stats: np.ndarray, utid, upid) -> None:
         self.con.execute("DELETE FROM syscall_stat")
