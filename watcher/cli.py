@@ -167,6 +167,46 @@ def check(pid: Optional[int] = typer.Option(None, "--pid", help="Also look for l
         raise typer.Exit(1)
 
 
+@app.command(epilog="Examples:\n\n  sudo watcher run -- torchrun --nproc_per_node=2 train.py\n\n"
+                    "  sudo watcher run --policy observe --out run1 -- python train.py\n\n"
+                    "  sudo watcher run --snapshot-budget 5 --detect hang_seconds=60 -- torchrun --nproc_per_node=8 train.py\n\n"
+                    "  watcher sql run1/recording.duckdb \"SELECT * FROM incident\"")
+def run(
+    cmd: list[str] = typer.Argument(..., help="Training command, after --."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Run directory (created; must not exist)."),
+    policy: str = typer.Option("recover", help="After an incident's verdict: observe (go on untouched), "
+                               "recover or apply (stop cleanly with the incident written)."),
+    snapshot_budget: float = typer.Option(1.0, help="Snapshot cost budget, percent of step time; sets the snapshot interval."),
+    snapshot_interval: Optional[int] = typer.Option(None, help="Fixed snapshot interval in steps (overrides the budget)."),
+    detect: list[str] = typer.Option([], help="Detector setting KEY=VALUE (repeatable), e.g. loss_spike_z=10, hang_seconds=60."),
+):
+    """Run a training command with recording, in-rank capture, snapshots, detectors and replay."""
+    from .run import RunConfig, parse_detect, run as run_job
+
+    cfg = RunConfig(cmd=list(cmd), out=Path(out) if out else Path(f"watcher-run-{time.strftime('%Y%m%d-%H%M%S')}"),
+                    policy=policy, snapshot_budget=snapshot_budget, snapshot_interval=snapshot_interval,
+                    detect=parse_detect(detect))
+    result = run_job(cfg)
+    print(f"Run directory {result.out}: {result.steps} steps recorded, {len(result.incidents)} incident(s). "
+          f"Query: watcher sql {result.out / 'recording.duckdb'} \"SELECT * FROM step\"", file=sys.stderr)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command(epilog="Examples:\n\n  sudo watcher drill\n\n  sudo watcher drill --scenario grad_bitflip\n\n"
+                    "  sudo watcher drill --scenario all --json drills.json")
+def drill(
+    scenario: str = typer.Option("all", help="Scenario name, or all."),
+    steps: int = typer.Option(24, help="Steps of the reference workload per run."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Directory for the runs (created)."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Also write the scorecard as JSON here."),
+):
+    """Inject faults into the reference workload and score detection, localisation and verdict."""
+    from .drill import run_drills
+
+    raise typer.Exit(run_drills(scenario, steps, Path(out) if out else Path(f"watcher-drill-{time.strftime('%Y%m%d-%H%M%S')}"),
+                                Path(json_out) if json_out else None))
+
+
 @app.command()
 def schema(markdown: bool = typer.Option(True, help="Print docs/schema.md.")):
     """Print the recording schema (tables, columns and views, with their docs)."""

@@ -224,7 +224,7 @@ class Session:
         return self._run(gone, t0)
 
     # -- record --------------------------------------------------------------------
-    def record(self, argv: list[str]) -> SessionResult:
+    def record(self, argv: list[str], env: dict | None = None) -> SessionResult:
         if not argv:
             raise UsageError("nothing to record: give a command after --")
         # The child is forked before the probes load (so it inherits none of
@@ -244,6 +244,8 @@ class Session:
                 # The job gets default dispositions, not the ones Python set here.
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ):
                     signal.signal(sig, signal.SIG_DFL)
+                if env is not None:
+                    os.execvpe(argv[0], argv, env)
                 os.execvp(argv[0], argv)
             except OSError as e:
                 os.write(err_w, f"{e.strerror}".encode())

@@ -1,0 +1,275 @@
+"""Incident handling across ranks: halt, plan, replay, verdict.
+
+Every rank runs `handle_incident` when it reaches the incident's halt step
+(one step after detection, so no rank is ever left waiting inside a collective
+of a step its peers will not run):
+
+1. arrive: say which snapshots it holds, wait for every rank;
+2. plan (rank 0): the newest verified snapshot v before the failing step k
+   that every rank still holds, and the collectives whose recorded outputs
+   disagree across ranks (suspected corrupted in communication);
+3. replay: each rank replays its own window v+1..k from its snapshot, in the
+   sandbox, rank-isolated;
+4. verdict (rank 0): first divergence, communication check, reproduced or
+   not, classification; written as DIR/incidents/<id>.json;
+5. go on (policy observe) or stop cleanly (any other policy, until recovery).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..runtime.control import read_json, write_json
+from ..runtime.window import Window, segment_paths
+
+MUST_AGREE = {"allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base"}
+WAIT_S = float(os.environ.get("WATCHER_INCIDENT_WAIT", "600"))
+
+
+def handle_incident(rt, seq: int, info: dict) -> None:
+    ctl, k = rt.ctl, rt.step
+    inc_dir = rt.run_dir / "incidents" / info["incident_id"]
+    inc_dir.mkdir(parents=True, exist_ok=True)
+    t_halt = time.monotonic_ns()
+    write_json(inc_dir / f"arrive.rank{rt.rank}.json",
+               {"rank": rt.rank, "step": k, "snapshots": [s.step for s in rt.snapshots], "pid": os.getpid()})
+    ctl.arrive(rt.rank, seq, k)
+    _say(rt, f"incident {info['incident_id']} ({info['kind']} at step {info['failing_step']}, "
+             f"rank {info['rank']}): halted at step {k}, replaying")
+    verdict = None
+    try:
+        ctl.wait(lambda: all(ctl.arrived(r)[0] == seq for r in range(rt.world)), WAIT_S, "every rank to halt")
+        if rt.rank == 0:
+            plan = make_plan(rt, info, inc_dir)
+            write_json(inc_dir / "plan.json", plan)
+            ctl.plan_seq = seq
+        ctl.wait(lambda: ctl.plan_seq >= seq, WAIT_S, "the replay plan")
+        plan = read_json(inc_dir / "plan.json")
+        mine = {"rank": rt.rank, "halted_ns": t_halt}
+        if plan.get("from_step") is not None:
+            snap = rt.snapshot_at(plan["from_step"])
+            if snap is None:
+                mine["error"] = f"snapshot {plan['from_step']} is gone"
+            else:
+                mine.update(snap.replay(plan["to_step"], inc_dir, plan.get("suspects", []),
+                                        timeout=plan["replay_timeout_s"]))
+        write_json(inc_dir / f"replayed.rank{rt.rank}.json", mine)
+        if rt.rank == 0:
+            ctl.wait(lambda: all((inc_dir / f"replayed.rank{r}.json").exists() for r in range(rt.world)),
+                     WAIT_S, "every rank's replay")
+            verdict = decide(rt, info, plan, inc_dir)
+            write_json(rt.run_dir / "incidents" / f"{info['incident_id']}.json", verdict)
+            ctl.verdict_seq = seq
+        ctl.wait(lambda: ctl.verdict_seq >= seq, WAIT_S, "the verdict")
+        verdict = read_json(rt.run_dir / "incidents" / f"{info['incident_id']}.json")
+    except TimeoutError as e:
+        _say(rt, f"incident {info['incident_id']}: {e}; going on without a verdict")
+        if rt.rank == 0 and ctl.verdict_seq < seq:
+            ctl.verdict_seq = seq
+    rt.handled_seq = seq
+    if verdict:
+        _say(rt, f"incident {info['incident_id']}: {verdict['classification'] or 'unclassified'}"
+                 + (f" ({verdict['transient_cause']})" if verdict.get("transient_cause") else ""))
+        if verdict["classification"] == "persistent":
+            # Keep the frozen snapshot out of rotation for diagnosis.
+            snap = rt.snapshot_at(plan["from_step"]) if plan.get("from_step") is not None else None
+            if snap in rt.snapshots:
+                rt.snapshots.remove(snap)
+                rt.retained = getattr(rt, "retained", []) + [snap]
+    if rt.policy != "observe":
+        rt.steps_log.flush()
+        rt.coll_log.flush()
+        rt.seg.flush()
+        _say(rt, f"stopping after incident {info['incident_id']} (policy {rt.policy})")
+        rt.close()
+        os._exit(75)
+
+
+def _say(rt, msg: str) -> None:
+    if rt.rank == 0:
+        print(f"watcher: {msg}", file=sys.stderr, flush=True)
+
+
+def read_steps(run_dir: Path, rank: int) -> dict[int, dict]:
+    out = {}
+    try:
+        with open(run_dir / "runtime" / f"rank{rank}.steps.jsonl") as f:
+            for line in f:
+                try:
+                    fp = json.loads(line)
+                except ValueError:
+                    continue
+                out[fp["step"]] = fp
+    except OSError:
+        pass
+    return out
+
+
+def read_colls(run_dir: Path, rank: int) -> dict[tuple, dict]:
+    out = {}
+    try:
+        with open(run_dir / "runtime" / f"rank{rank}.colls.jsonl") as f:
+            for line in f:
+                try:
+                    c = json.loads(line)
+                except ValueError:
+                    continue
+                out[(c["group"], c["seq"])] = c
+    except OSError:
+        pass
+    return out
+
+
+def make_plan(rt, info: dict, inc_dir: Path) -> dict:
+    world, k = rt.world, info["failing_step"]
+    arrivals = [read_json(inc_dir / f"arrive.rank{r}.json") for r in range(world)]
+    steps = [read_steps(rt.run_dir, r) for r in range(world)]
+    common = set(arrivals[0]["snapshots"])
+    for a in arrivals[1:]:
+        common &= set(a["snapshots"])
+    v, why = None, "no snapshot before the failing step is held by every rank"
+    for cand in sorted((s for s in common if s < k), reverse=True):
+        sums = {steps[r].get(cand, {}).get("param_sum") for r in range(world)}
+        if len(sums) == 1 and None not in sums:
+            v = cand
+            break
+        why = f"snapshot {cand} is not verified: ranks disagree on the parameters"
+    plan = {"failing_step": k, "from_step": v, "to_step": k, "suspects": [], "reason": None if v is not None else why}
+    if v is None:
+        return plan
+    # Outputs that every rank must have received identically, but did not.
+    colls = [read_colls(rt.run_dir, r) for r in range(world)]
+    for key, c in colls[0].items():
+        if not (v < c["step"] <= k) or c["op"] not in MUST_AGREE:
+            continue
+        outs = {colls[r].get(key, {}).get("out_sum") for r in range(world)}
+        if len(outs) > 1:
+            plan["suspects"].append(list(key))
+    window_s = sum((steps[0].get(s, {}).get("dur") or 0) for s in range(v + 1, k + 1)) / 1e9
+    plan["replay_timeout_s"] = max(60.0, 20 * window_s)
+    plan["window_wall_s"] = round(window_s, 3)
+    return plan
+
+
+def _reduce(op: str, tensors: list):
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        if op in ("SUM", "AVG", None):
+            out += t
+        elif op == "MAX":
+            torch.maximum(out, t, out=out)
+        elif op == "MIN":
+            torch.minimum(out, t, out=out)
+        elif op == "PRODUCT":
+            out *= t
+    return out
+
+
+def communication_check(rt, plan: dict, results: list[dict]) -> dict | None:
+    """For each suspect allreduce: which rank's recorded output is not the
+    reduction of the (replayed, checksum-verified) inputs of all ranks."""
+    world = rt.world
+    windows = None
+    for key in map(tuple, plan["suspects"]):
+        ins = [res.get("inputs", {}).get(key) for res in results]
+        if any(i is None for i in ins):
+            continue
+        if windows is None:
+            windows = [Window.load(segment_paths(rt.dir, r, plan["from_step"])) for r in range(world)]
+        meta = windows[0].colls.get(key, {})
+        if meta.get("op") not in ("allreduce", "allreduce_coalesced"):
+            continue
+        expected = [_reduce(meta.get("reduce_op"), [ins[r][i] for r in range(world)]) for i in range(len(ins[0]))]
+        if meta.get("reduce_op") == "AVG":
+            expected = [e / world for e in expected]
+        for r in range(world):
+            got = windows[r].outputs.get(key)
+            if got is None:
+                continue
+            if not all(torch.equal(e, g) if world <= 2 else torch.allclose(e, g, rtol=1e-6, atol=0)
+                       for e, g in zip(expected, got)):
+                return {"rank": r, "step": meta["step"], "where": "communication",
+                        "collective": {"group": key[0], "seq": key[1], "op": meta["op"]}}
+    return None
+
+
+def find_stall(rt, plan: dict) -> dict | None:
+    """The collective that waited longest in the window, and the rank that entered it last."""
+    colls = [read_colls(rt.run_dir, r) for r in range(rt.world)]
+    lo, hi = (plan.get("from_step") or -1), plan["failing_step"]
+    best = None
+    for key, c in colls[0].items():
+        if not (lo < c["step"] <= hi):
+            continue
+        per_rank = [colls[r].get(key) for r in range(rt.world)]
+        if any(p is None or p.get("dur") is None for p in per_rank):
+            continue
+        wait = max(p["dur"] for p in per_rank)
+        late = max(range(rt.world), key=lambda r: per_rank[r]["ts"])
+        if best is None or wait > best["wait_s"] * 1e9:
+            best = {"rank": late, "step": c["step"], "wait_s": round(wait / 1e9, 3),
+                    "collective": {"group": key[0], "seq": key[1], "op": c["op"]}}
+    return best
+
+
+def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
+    world = rt.world
+    replayed = [read_json(inc_dir / f"replayed.rank{r}.json") for r in range(world)]
+    results = []
+    for r in range(world):
+        p = inc_dir / f"rank{r}.result.pt"
+        try:
+            results.append(torch.load(p, weights_only=False))
+        except Exception:
+            results.append({"rank": r, "status": "no_result"})
+    verdict = {
+        "incident_id": info["incident_id"], "kind": info["kind"],
+        "detected_step": info["failing_step"], "detected_rank": info["rank"], "detected_ts": info["detected_ts"],
+        "detail": info.get("detail"),
+        "window": {"from_step": plan.get("from_step"), "to_step": plan["to_step"]},
+        "replay": None, "classification": None, "track": None, "transient_cause": None,
+        "attribution": None, "causal_chain": None, "prescription": None,
+        "recovered": False, "resumed_at_step": None, "steps_lost": None,
+        "snapshot": None,
+    }
+    if plan.get("from_step") is None:
+        verdict["replay"] = {"reproduced": None, "first_divergence": None, "reason": plan.get("reason")}
+        return verdict
+    divs = [res["first_divergence"] for res in results if res.get("first_divergence")]
+    div = min(divs, key=lambda d: (d["step"], d["collective"]["seq"])) if divs else None
+    comm = communication_check(rt, plan, results) if not div else None
+    statuses = {r: results[r].get("status") for r in range(world)}
+    timed_out = [r for r in range(world) if replayed[r].get("timed_out")]
+    exact = all(statuses[r] == "done" and all(s["match"] for s in results[r]["steps"].values())
+                and all(c["match"] for c in results[r]["colls"]) for r in range(world))
+    stall = find_stall(rt, plan) if info["kind"] == "hang" else None
+    if info["kind"] == "hang":
+        reproduced = bool(timed_out) or bool(div)
+    else:
+        reproduced = exact and not comm
+    first = div or comm
+    verdict["replay"] = {
+        "reproduced": reproduced, "exact": exact, "first_divergence": first,
+        "stall": stall,
+        "per_rank": {r: {"status": statuses[r], "error": results[r].get("error"),
+                         "steps": len(results[r].get("steps", {})),
+                         "mismatched_steps": sorted(k for k, s in results[r].get("steps", {}).items()
+                                                    if not s["match"]),
+                         "wall_s": replayed[r].get("wall_s"), "exit_code": replayed[r].get("exit_code")}
+                     for r in range(world)},
+        "window_wall_s": plan.get("window_wall_s"),
+    }
+    if reproduced:
+        verdict.update(classification="persistent", track="B",
+                       snapshot={"from_step": plan["from_step"], "retained": True})
+    else:
+        cause = ("bit_flip" if div else "communication" if comm else
+                 "timeout" if info["kind"] == "hang" else "unknown")
+        verdict.update(classification="transient", track="A", transient_cause=cause)
+    return verdict

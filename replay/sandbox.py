@@ -1,0 +1,255 @@
+"""The replay sandbox: seccomp with a user-notify supervisor.
+
+A replay child is a fork of a live rank, so it holds copies of every socket
+and file the rank had open.  It must never touch them, yet the training code it
+re-executes must run exactly as it did live.  So the filter traps:
+
+- the network, always: socket, connect, bind, listen, accept, send*, shutdown,
+  setsockopt -> denied (EPERM);
+- on an inherited descriptor: reads and receives -> denied (EPERM); writes ->
+  swallowed (reported as written, nothing reaches the file, so a training
+  script that logs keeps running identically); close -> swallowed (the number
+  stays taken, so a later open can never be handed an inherited number);
+  seek, dup, epoll and fcntl changes -> denied;
+- opening a file for writing -> handed /dev/null instead; unlink and rename ->
+  swallowed; signals to other processes, ptrace -> denied.
+
+Every trapped call is logged (one JSON line) by the supervisor and later
+stored in the recording's `sandbox_event` table.
+
+Why user-notify rather than a ptrace supervisor: measured here, a kernel-only
+ERRNO costs about 1-1.5 us, user-notify about 10 us, ptrace about 22 us (85-124
+us across CPUs); and ptrace cannot return "written" without rewriting
+registers.  Untrapped calls cost about 0.1 us either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import struct
+import time
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+
+SYS = {  # x86_64
+    "read": 0, "write": 1, "open": 2, "close": 3, "lseek": 8, "pread64": 17, "pwrite64": 18, "readv": 19,
+    "writev": 20, "dup": 32, "dup2": 33, "sendfile": 40, "socket": 41, "connect": 42, "accept": 43,
+    "sendto": 44, "recvfrom": 45, "sendmsg": 46, "recvmsg": 47, "shutdown": 48, "bind": 49, "listen": 50,
+    "setsockopt": 54, "kill": 62, "fcntl": 72, "flock": 73, "fsync": 74, "fdatasync": 75, "truncate": 76,
+    "ftruncate": 77, "rename": 82, "creat": 85, "unlink": 87, "ptrace": 101, "tkill": 200,
+    "epoll_wait": 232, "epoll_ctl": 233, "tgkill": 234, "openat": 257, "unlinkat": 263, "renameat": 264,
+    "splice": 275, "epoll_pwait": 281, "fallocate": 285, "accept4": 288, "dup3": 292, "preadv": 295,
+    "pwritev": 296, "recvmmsg": 299, "sendmmsg": 307, "process_vm_writev": 311, "renameat2": 316,
+    "copy_file_range": 326, "preadv2": 327, "pwritev2": 328, "openat2": 437, "epoll_pwait2": 441,
+}
+NAME = {v: k for k, v in SYS.items()}
+NETWORK = ("socket", "connect", "bind", "listen", "accept", "accept4", "sendto", "sendmsg", "sendmmsg",
+           "shutdown", "setsockopt")
+ON_INHERITED_FD = ("read", "write", "close", "lseek", "pread64", "pwrite64", "readv", "writev", "dup", "dup2",
+                   "dup3", "sendfile", "recvfrom", "recvmsg", "recvmmsg", "fcntl", "flock", "fsync",
+                   "fdatasync", "ftruncate", "epoll_wait", "epoll_ctl", "epoll_pwait", "epoll_pwait2",
+                   "fallocate", "preadv", "pwritev", "preadv2", "pwritev2", "splice", "copy_file_range")
+ALWAYS = ("creat", "openat2", "unlink", "unlinkat", "rename", "renameat", "renameat2", "truncate", "kill",
+          "tkill", "ptrace", "process_vm_writev")
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+# classic BPF
+LD_W_ABS, JEQ_K, JSET_K, RET_K = 0x20, 0x15, 0x45, 0x06
+RET_ALLOW = 0x7FFF0000
+RET_NOTIFY = 0x7FC00000
+AUDIT_ARCH_X86_64 = 0xC000003E
+SECCOMP_SET_MODE_FILTER = 1
+FLAG_NEW_LISTENER = 1 << 3
+PR_SET_NO_NEW_PRIVS = 38
+NOTIF_RECV = 0xC0502100
+NOTIF_SEND = 0xC0182101
+NOTIF_ADDFD = 0x40182103
+FLAG_CONTINUE = 1
+ADDFD_FLAG_SEND = 1 << 1
+EPERM = 1
+
+
+def _ins(code, k, jt=0, jf=0):
+    return struct.pack("<HBBI", code, jt, jf, k & 0xFFFFFFFF)
+
+
+def build_filter(inherited_fds: list[int]) -> bytes:
+    """The BPF program: notify on the calls above, allow everything else."""
+    NOTIFY, ALLOW = "notify", "allow"
+    prog = [("ld", 4), ("jne", AUDIT_ARCH_X86_64, ALLOW), ("ld", 0)]
+    prog += [("jeq", SYS[name], NOTIFY) for name in NETWORK + ALWAYS]
+    prog += [("jeq", SYS["openat"], "openat"), ("jeq", SYS["open"], "open")]
+    prog += [("jeq", SYS[name], "fdcheck") for name in ON_INHERITED_FD]
+    prog += [("ja", ALLOW),
+             ("label", "openat"), ("ld", 16 + 2 * 8), ("jset", WRITE_FLAGS, NOTIFY), ("ja", ALLOW),
+             ("label", "open"), ("ld", 16 + 1 * 8), ("jset", WRITE_FLAGS, NOTIFY), ("ja", ALLOW),
+             ("label", ALLOW), ("ret", RET_ALLOW),
+             ("label", NOTIFY), ("ret", RET_NOTIFY),
+             ("label", "fdcheck"), ("ld", 16)]  # args[0] low word: the descriptor
+    for fd in inherited_fds:  # pairs, so no jump grows with the number of descriptors
+        prog += [("jeq_skip", fd), ("ret", RET_NOTIFY)]
+    prog.append(("ret", RET_ALLOW))
+
+    labels, index = {}, 0
+    for item in prog:
+        if item[0] == "label":
+            labels[item[1]] = index
+        else:
+            index += 1
+    out, index = [], 0
+    for item in prog:
+        op = item[0]
+        if op == "label":
+            continue
+        here = index
+        index += 1
+        if op == "ld":
+            out.append(_ins(LD_W_ABS, item[1]))
+        elif op == "ret":
+            out.append(_ins(RET_K, item[1]))
+        elif op == "ja":
+            out.append(_ins(0x05, labels[item[1]] - here - 1))
+        elif op == "jeq":
+            out.append(_ins(JEQ_K, item[1], jt=_off(labels[item[2]], here)))
+        elif op == "jeq_skip":
+            out.append(_ins(JEQ_K, item[1], jt=0, jf=1))
+        elif op == "jne":
+            out.append(_ins(JEQ_K, item[1], jf=_off(labels[item[2]], here)))
+        elif op == "jset":
+            out.append(_ins(JSET_K, item[1], jt=_off(labels[item[2]], here)))
+    return b"".join(out)
+
+
+def _off(target: int, here: int) -> int:
+    off = target - here - 1
+    if not 0 <= off <= 255:
+        raise ValueError("seccomp filter too long for a conditional jump")
+    return off
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def install(allowed_fds: set[int]) -> tuple[int, list[int]]:
+    """In the replay child: trap calls on every descriptor open now except
+    `allowed_fds`.  Returns (listener fd, inherited fds)."""
+    inherited = sorted(int(x) for x in os.listdir("/proc/self/fd") if int(x) not in allowed_fds)
+    code = build_filter(inherited)
+    buf = ctypes.create_string_buffer(code)
+    prog = _SockFprog(len(code) // 8, ctypes.addressof(buf))
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(NO_NEW_PRIVS)")
+    fd = libc.syscall(317, SECCOMP_SET_MODE_FILTER, FLAG_NEW_LISTENER, ctypes.byref(prog))
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "seccomp(SET_MODE_FILTER)")
+    return fd, inherited
+
+
+# -- supervisor (runs in the snapshot process, the replay child's parent) ----------------------
+
+class _Data(ctypes.Structure):
+    _fields_ = [("nr", ctypes.c_int), ("arch", ctypes.c_uint32), ("ip", ctypes.c_uint64),
+                ("args", ctypes.c_uint64 * 6)]
+
+
+class _Notif(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint64), ("pid", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("data", _Data)]
+
+
+class _Resp(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint64), ("val", ctypes.c_int64), ("error", ctypes.c_int32),
+                ("flags", ctypes.c_uint32)]
+
+
+class _AddFd(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("srcfd", ctypes.c_uint32),
+                ("newfd", ctypes.c_uint32), ("newfd_flags", ctypes.c_uint32)]
+
+
+def grab_listener(child_pid: int, child_fd: int) -> int:
+    pidfd = libc.syscall(434, child_pid, 0)  # pidfd_open
+    if pidfd < 0:
+        raise OSError(ctypes.get_errno(), "pidfd_open")
+    try:
+        fd = libc.syscall(438, pidfd, child_fd, 0)  # pidfd_getfd
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "pidfd_getfd")
+        return fd
+    finally:
+        os.close(pidfd)
+
+
+def _iov_total(pid: int, addr: int, count: int) -> int:
+    try:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            mem.seek(addr)
+            raw = mem.read(16 * min(count, 1024))
+        return sum(struct.unpack_from("<QQ", raw, 16 * i)[1] for i in range(len(raw) // 16))
+    except OSError:
+        return 0
+
+
+def supervise(listener: int, child_pid: int, log_path, inherited: list[int]) -> int:
+    """Answer trapped calls until the child exits; returns its wait status."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    pidfd = libc.syscall(434, child_pid, 0)
+    log = open(log_path, "a", buffering=1)
+    inherited_set = set(inherited)
+    notif, resp = _Notif(), _Resp()
+    try:
+        while True:
+            ready, _, _ = select.select([listener, pidfd], [], [], 1.0)
+            if listener in ready:
+                ctypes.memset(ctypes.byref(notif), 0, ctypes.sizeof(notif))
+                if libc.ioctl(listener, NOTIF_RECV, ctypes.byref(notif)) != 0:
+                    if pidfd in ready:
+                        break
+                    continue
+                d = notif.data
+                name = NAME.get(d.nr, str(d.nr))
+                args = list(d.args)
+                val, err, flags, action = 0, 0, 0, "denied"
+                fd = args[0] & 0xFFFFFFFF
+                if name in ("write", "pwrite64") and fd in inherited_set:
+                    val, action = args[2], "swallowed"
+                elif name in ("writev", "pwritev", "pwritev2") and fd in inherited_set:
+                    val, action = _iov_total(notif.pid, args[1], args[2]), "swallowed"
+                elif name == "close" and fd in inherited_set:
+                    action = "swallowed"
+                elif name in ("unlink", "unlinkat", "rename", "renameat", "renameat2", "truncate"):
+                    action = "swallowed"
+                elif name == "fcntl" and args[1] in (1, 3):  # F_GETFD, F_GETFL change nothing
+                    flags, action = FLAG_CONTINUE, "allowed"
+                elif name in ("kill", "tkill", "tgkill") and args[0] == notif.pid:
+                    flags, action = FLAG_CONTINUE, "allowed"
+                elif name in ("open", "openat", "creat"):
+                    add = _AddFd(notif.id, ADDFD_FLAG_SEND, devnull, 0, os.O_CLOEXEC)
+                    action = "redirected to /dev/null"
+                    log.write(json.dumps({"ts": time.monotonic_ns(), "pid": notif.pid, "syscall": name,
+                                          "fd": None, "args": args, "action": action}) + "\n")
+                    if libc.ioctl(listener, NOTIF_ADDFD, ctypes.byref(add)) < 0:
+                        resp.id, resp.val, resp.error, resp.flags = notif.id, 0, -EPERM, 0
+                        libc.ioctl(listener, NOTIF_SEND, ctypes.byref(resp))
+                    continue
+                else:
+                    err = -EPERM
+                if action != "allowed":
+                    log.write(json.dumps({"ts": time.monotonic_ns(), "pid": notif.pid, "syscall": name,
+                                          "fd": fd if name in ON_INHERITED_FD else None,
+                                          "args": args, "action": action}) + "\n")
+                resp.id, resp.val, resp.error, resp.flags = notif.id, val, err, flags
+                libc.ioctl(listener, NOTIF_SEND, ctypes.byref(resp))
+            elif pidfd in ready:
+                break
+        _, status = os.waitpid(child_pid, 0)
+        return status
+    finally:
+        log.close()
+        os.close(devnull)
+        os.close(pidfd)

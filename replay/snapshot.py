@@ -1,0 +1,314 @@
+"""Verified-state snapshots by fork, and the replays they serve.
+
+`ForkSnapshot.take` forks the rank at a step boundary.  The child (the
+snapshot) is a frozen copy-on-write image of the whole rank, the user's loop
+state included; it waits on a pipe.  Asked to replay, it forks a replay child
+that installs the sandbox, loads the window recorded since the snapshot, and
+returns into the training loop in replay mode; the snapshot supervises the
+sandbox and reports how the child ended.  One snapshot serves any number of
+replays.
+
+Two conditions make the replay bit-exact (measured): libgomp's threads are
+paused (omp_pause_resource_all) before the fork, or the child hangs at its
+first OpenMP region; and the child keeps the parent's intra-op thread count.
+
+A snapshot is an object with `replay()`, not a pid, so a GPU snapshot (device
+tensors copied to host, or cuda-checkpoint) can take its place later.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import math
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+PR_SET_PDEATHSIG = 1
+ORPHAN_WAIT_S = float(os.environ.get("WATCHER_ORPHAN_WAIT", "20"))
+_gomp = None
+
+
+def pause_openmp() -> None:
+    global _gomp
+    if _gomp is None:
+        libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
+        _gomp = ctypes.CDLL(libs[0]) if libs else False
+    if _gomp:
+        _gomp.omp_pause_resource_all(2)  # omp_pause_hard
+
+
+class SnapshotPolicy:
+    """Choose the snapshot interval so fork + copy-on-write cost stays within
+    `budget` (a fraction of step time).  Intervals are powers of two, so ranks
+    that measure slightly different costs still share snapshot steps."""
+
+    keep = 2
+
+    def __init__(self, budget: float):
+        self.budget = max(budget, 1e-4)
+        forced = os.environ.get("WATCHER_SNAPSHOT_INTERVAL")
+        self.forced = int(forced) if forced else None
+        self.interval = self.forced or 1
+        self.cost_ns: float | None = None
+        self.last_snap: int | None = None
+        self.fork_ns: list[int] = []
+        self.cow_ns: list[int] = []
+
+    def due(self, k: int, rt) -> bool:
+        steps = rt.step_ns
+        if self.last_snap is not None and self.last_snap == k - 1 and len(steps) >= 3:
+            med = sorted(steps[:-1])[len(steps[:-1]) // 2]
+            self.cow_ns.append(max(0, steps[-1] - med))
+            self._adapt(med)
+        if k < 1 or len(steps) < 1:
+            return False
+        if k % self.interval:
+            return False
+        self.last_snap = k
+        return True
+
+    def _adapt(self, median_step_ns: int) -> None:
+        if self.forced:
+            return
+        cost = (self.fork_ns[-1] if self.fork_ns else 0) + (self.cow_ns[-1] if self.cow_ns else 0)
+        self.cost_ns = cost if self.cost_ns is None else 0.5 * self.cost_ns + 0.5 * cost
+        want = self.cost_ns / max(self.budget * median_step_ns, 1)
+        self.interval = 1 << max(0, math.ceil(math.log2(max(want, 1))))
+
+
+class ForkSnapshot:
+    def __init__(self, pid: int, step: int, cmd_w: int, resp_r: int, fork_ns: int, run_dir: Path, rank: int):
+        self.pid, self.step = pid, step
+        self.cmd_w, self.resp_r = cmd_w, resp_r
+        self.fork_ns = fork_ns
+        self.run_dir, self.rank = run_dir, rank
+        self.released = False
+
+    @classmethod
+    def take(cls, rt, k: int):
+        pause_openmp()
+        cmd_r, cmd_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        rt._forking_snapshot = True
+        t0 = time.perf_counter_ns()
+        pid = os.fork()
+        if pid == 0:
+            os.close(cmd_w)
+            os.close(resp_r)
+            order, listener_w = _serve(rt, k, cmd_r, resp_w)
+            _enter_replay(rt, order, listener_w)
+            return None
+        rt._forking_snapshot = False
+        os.close(cmd_r)
+        os.close(resp_w)
+        fork_ns = time.perf_counter_ns() - t0
+        rt.snap_policy.fork_ns.append(fork_ns)
+        return cls(pid, k, cmd_w, resp_r, fork_ns, rt.run_dir, rt.rank)
+
+    def replay(self, to_step: int, out_dir: Path, suspects=(), timeout: float = 300.0) -> dict:
+        """Re-execute steps step+1..to_step in a sandboxed child; returns how it ended."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        order = {"op": "replay", "to_step": to_step, "suspects": [list(s) for s in suspects],
+                 "result": str(out_dir / f"rank{self.rank}.result.pt"),
+                 "log": str(out_dir / f"rank{self.rank}.replay.log"),
+                 "sandbox_log": str(out_dir / f"rank{self.rank}.sandbox.jsonl")}
+        t0 = time.monotonic()
+        os.write(self.cmd_w, (json.dumps(order) + "\n").encode())
+        reply = _read_reply(self.resp_r, timeout)
+        reply["wall_s"] = round(time.monotonic() - t0, 3)
+        if reply.get("timeout") and reply.get("pid"):
+            try:
+                os.kill(reply["pid"], signal.SIGKILL)
+            except OSError:
+                pass
+            reply.update(_read_reply(self.resp_r, 10.0))
+            reply["timed_out"] = True
+        return reply
+
+    def release(self) -> None:
+        """Let the snapshot go; it is reaped in the background."""
+        if self.released:
+            return
+        self.released = True
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for fd in (self.cmd_w, self.resp_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        threading.Thread(target=_reap, args=(self.pid,), daemon=True).start()
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def _read_reply(fd: int, timeout: float) -> dict:
+    """Replies are JSON lines: first {"pid"}, then {"status"...}."""
+    buf = b""
+    out = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            out["timeout"] = True
+            return out
+        r, _, _ = select.select([fd], [], [], left)
+        if not r:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            out["snapshot_gone"] = True
+            return out
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            msg = json.loads(line)
+            out.update(msg)
+            if "status" in msg:
+                return out
+
+
+# -- inside the snapshot process ---------------------------------------------------------------
+
+def _serve(rt, k: int, cmd_r: int, resp_w: int):
+    """The frozen snapshot: wait for orders; return only inside a replay child."""
+    rt.disabled = True  # no hook runs here
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (ValueError, OSError):
+            pass
+    from . import sandbox
+
+    f = os.fdopen(cmd_r, "rb", buffering=0)
+    pending = b""
+    while True:
+        chunk = f.read(4096)
+        if not chunk:
+            # The rank is gone (crash or end of job).  Drop every copy of the
+            # rank's descriptors at once so its peers see it close, then wait
+            # a little for a crash-replay order from `watcher run`.
+            order = _orphan_wait(rt, k)
+            if order is None:
+                os._exit(0)
+            resp_w = os.open(os.devnull, os.O_WRONLY)
+        else:
+            pending += chunk
+            if b"\n" not in pending:
+                continue
+            line, pending = pending.split(b"\n", 1)
+            order = json.loads(line)
+        if order.get("op") == "exit":
+            os._exit(0)
+        listener_r, listener_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(listener_r)
+            return order, listener_w
+        os.close(listener_w)
+        _reply(resp_w, {"pid": pid})
+        status = _supervise(sandbox, pid, listener_r, order)
+        os.close(listener_r)
+        code = os.waitstatus_to_exitcode(status) if status is not None else None
+        _reply(resp_w, {"status": status, "exit_code": code})
+        if order.get("reply"):  # a crash replay: nobody reads the pipe any more
+            with open(order["reply"] + ".tmp", "w") as f:
+                json.dump({"pid": pid, "status": status, "exit_code": code}, f)
+            os.replace(order["reply"] + ".tmp", order["reply"])
+        if not chunk:
+            os._exit(0)
+
+
+def _reply(fd: int, msg: dict) -> None:
+    try:
+        os.write(fd, (json.dumps(msg) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _supervise(sandbox, pid: int, listener_r: int, order: dict):
+    raw = b""
+    while not raw.endswith(b"\n"):
+        chunk = os.read(listener_r, 64)
+        if not chunk:
+            break
+        raw += chunk
+    try:
+        hello = json.loads(raw)
+    except ValueError:  # the child died before its sandbox was up
+        _, status = os.waitpid(pid, 0)
+        return status
+    listener = sandbox.grab_listener(pid, hello["listener"])
+    try:
+        return sandbox.supervise(listener, pid, order["sandbox_log"], hello["inherited"])
+    finally:
+        os.close(listener)
+
+
+def _orphan_wait(rt, k: int):
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        if fd > 2:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    order_path = rt.dir / f"crash_replay.rank{rt.rank}.step{k}.json"
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while time.monotonic() < deadline:
+        if order_path.exists():
+            try:
+                with open(order_path) as f:
+                    return json.load(f)
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.1)
+    return None
+
+
+# -- inside the replay child ------------------------------------------------------------------------
+
+def _enter_replay(rt, order: dict, listener_w: int) -> None:
+    from ..runtime.window import Window, segment_paths
+    from .state import ReplayState
+    from . import sandbox
+
+    libc = ctypes.CDLL(None)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    window = Window.load(segment_paths(rt.dir, rt.rank, rt.step))
+    result = open(order["result"], "wb")
+    log_fd = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    state = ReplayState(rt, window, order, result)
+    listener, inherited = sandbox.install({result.fileno(), 1, 2, log_fd, listener_w})
+    os.write(listener_w, (json.dumps({"listener": listener, "inherited": inherited}) + "\n").encode())
+    os.close(listener_w)
+    state.inherited_fds = inherited
+    rt.replay = state
+    rt.mode = "replay"
+    rt.disabled = False
+    sys.excepthook = state.on_exception
+    threading.excepthook = lambda a: state.on_exception(a.exc_type, a.exc_value, a.exc_traceback)

@@ -1,0 +1,133 @@
+"""`watcher drill`: inject known faults into the reference workload and score Watcher.
+
+Each scenario is one `watcher run` of the 2-rank reference job with one fault
+(see watcher.runtime.inject).  The scorecard compares what Watcher concluded
+with the fault that was injected; only this module knows both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .demo import reference_command
+from .errors import UsageError
+from .run import RunConfig, run
+
+FAULT_STEP = 12
+FAULT_RANK = 1
+
+
+@dataclass
+class Scenario:
+    name: str
+    inject: dict
+    kinds: tuple           # acceptable detected kinds
+    classification: str
+    where: str | None = None       # compute | communication | stall | crash
+    detect: dict = field(default_factory=dict)
+
+
+SCENARIOS = [
+    Scenario("grad_bitflip", {"scenario": "grad_bitflip"}, ("non_finite", "loss_spike"), "transient", "compute"),
+    Scenario("allreduce_corrupt", {"scenario": "allreduce_corrupt"}, ("non_finite", "sdc", "loss_spike"),
+             "transient", "communication"),
+    Scenario("stall", {"scenario": "stall", "seconds": 4}, ("hang",), "transient", "stall",
+             detect={"hang_seconds": 1.5}),
+    Scenario("nan_op", {"scenario": "nan_op"}, ("non_finite",), "persistent"),
+    Scenario("lr_spike", {"scenario": "lr_spike", "factor": 1000.0}, ("loss_spike", "non_finite"), "persistent"),
+    Scenario("bad_cores", {"scenario": "bad_cores", "factor": 1e4}, ("loss_spike", "non_finite"), "persistent"),
+    Scenario("segv", {"scenario": "segv"}, ("crash",), "persistent", "crash"),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def _final_sha(run_dir: Path) -> str | None:
+    p = run_dir / "final.pt.sha256"
+    return p.read_text().strip() if p.exists() else None
+
+
+def _job(steps: int, run_dir: Path) -> list[str]:
+    return reference_command(steps) + [f"--save={run_dir / 'final.pt'}"]
+
+
+def score(s: Scenario, incidents: list[dict]) -> dict:
+    inc = incidents[0] if incidents else None
+    row = {"scenario": s.name, "injected": f"rank {FAULT_RANK} step {FAULT_STEP}",
+           "detected": None, "classification": None, "localised": None, "replay_exact": None, "pass": False}
+    if inc is None:
+        return row
+    rep = inc.get("replay") or {}
+    row["detected"] = f"{inc['kind']}@{inc['detected_step']}"
+    row["classification"] = inc.get("classification")
+    row["replay_exact"] = rep.get("exact")
+    loc = None
+    if s.where in ("compute", "communication"):
+        d = rep.get("first_divergence") or {}
+        loc = (d.get("rank") == FAULT_RANK and d.get("step") == FAULT_STEP and d.get("where") == s.where)
+        row["localised"] = (f"rank {d.get('rank')} step {d.get('step')} "
+                            f"{(d.get('collective') or {}).get('op')} {d.get('where')}") if d else "none"
+    elif s.where == "stall":
+        st = rep.get("stall") or {}
+        loc = st.get("rank") == FAULT_RANK and st.get("step") == FAULT_STEP
+        row["localised"] = f"rank {st.get('rank')} step {st.get('step')} {(st.get('collective') or {}).get('op')}" if st else "none"
+    elif s.where == "crash":
+        loc = inc.get("detected_rank") == FAULT_RANK and inc.get("detected_step") == FAULT_STEP
+        row["localised"] = f"rank {inc.get('detected_rank')} step {inc.get('detected_step')}"
+    row["pass"] = bool(inc["kind"] in s.kinds and inc.get("classification") == s.classification
+                       and (loc is None or loc))
+    return row
+
+
+def run_drills(which: str, steps: int, out: Path, json_out: Path | None) -> int:
+    names = [s.name for s in SCENARIOS] if which == "all" else which.split(",")
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise UsageError(f"unknown scenario {unknown[0]!r}; choose from all, {', '.join(BY_NAME)}")
+    if steps < FAULT_STEP + 4:
+        raise UsageError(f"--steps must be at least {FAULT_STEP + 4} (faults fire at step {FAULT_STEP})")
+    out.mkdir(parents=True, exist_ok=False)
+    base_dir = out / "baseline"
+    print(f"drill: fault-free baseline ({steps} steps)", file=sys.stderr, flush=True)
+    base = run(RunConfig(cmd=_job(steps, base_dir), out=base_dir, policy="observe", snapshot_interval=4, quiet=True))
+    rows = []
+    for name in names:
+        s = BY_NAME[name]
+        inject = dict(s.inject, rank=FAULT_RANK, step=FAULT_STEP)
+        if name == "nan_op":
+            inject["batch_sum"] = _batch_sum(base_dir, FAULT_RANK, FAULT_STEP)
+        if name == "bad_cores":
+            inject["cpus"] = sorted(os.sched_getaffinity(0))
+        run_dir = out / name
+        print(f"drill: {name}", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        res = run(RunConfig(cmd=_job(steps, run_dir), out=run_dir, policy="observe", snapshot_interval=4,
+                            detect=s.detect, inject=inject, quiet=True))
+        row = score(s, res.incidents)
+        row["wall_s"] = round(time.monotonic() - t0, 1)
+        row["exit_code"] = res.exit_code
+        sha = _final_sha(run_dir)
+        row["bit_identical"] = (sha == _final_sha(base_dir)) if sha else None
+        rows.append(row)
+    _print(rows)
+    if json_out:
+        json_out.write_text(json.dumps({"baseline_steps": base.steps, "scenarios": rows}, indent=1))
+    return 0 if all(r["pass"] for r in rows) else 1
+
+
+def _batch_sum(run_dir: Path, rank: int, step: int) -> int:
+    from .replay.coordinator import read_steps
+
+    return read_steps(run_dir, rank)[step]["batch_sum"]
+
+
+def _print(rows: list[dict]) -> None:
+    cols = ("scenario", "detected", "classification", "localised", "replay_exact", "bit_identical", "pass")
+    table = [cols] + [tuple("-" if r.get(c) is None else str(r.get(c)) for c in cols) for r in rows]
+    widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
+    for t in table:
+        print("  ".join(v.ljust(w) for v, w in zip(t, widths)))

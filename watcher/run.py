@@ -1,0 +1,361 @@
+"""`watcher run`: launch a training command with the recorder and the in-rank runtime.
+
+    DIR/recording.duckdb     the eBPF recording, plus the runtime's tables
+                             (step, collective_io, incident, sandbox_event)
+    DIR/runtime/             per-rank step and collective logs, replay window segments
+    DIR/incidents/<id>.json  one document per incident, with its replay verdict
+
+The runtime reaches every Python rank through a sitecustomize put first on
+PYTHONPATH (it chains to any existing one); the user's files are not touched.
+After the job ends, a rank that crashed is replayed from its newest snapshot
+(which outlives the rank for a short while) to see whether it crashes again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from .errors import RecordingError, UsageError
+from .runtime.control import write_json
+
+POLICIES = ("observe", "recover", "apply")
+SITE_DIR = Path(__file__).resolve().parent / "runtime" / "site"
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PR_SET_CHILD_SUBREAPER = 36
+STOPPED_BY_WATCHER = 75
+
+
+@dataclass
+class RunConfig:
+    cmd: list[str]
+    out: Path
+    policy: str = "recover"
+    snapshot_budget: float = 1.0        # percent of step time
+    snapshot_interval: int | None = None
+    detect: dict = field(default_factory=dict)
+    inject: dict | None = None          # drills only
+    quiet: bool = False
+
+    def validate(self) -> None:
+        if not self.cmd:
+            raise UsageError("nothing to run: give a command after --, e.g. watcher run -- torchrun train.py")
+        if self.policy not in POLICIES:
+            raise UsageError(f"unknown --policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if not 0 < self.snapshot_budget <= 100:
+            raise UsageError("--snapshot-budget is a percentage of step time, in (0, 100]")
+        if self.snapshot_interval is not None and self.snapshot_interval < 1:
+            raise UsageError("--snapshot-interval must be at least 1 step")
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        prev = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = str(SITE_DIR) + (os.pathsep + prev if prev else "")
+        env["WATCHER_PACKAGE_ROOT"] = str(PACKAGE_ROOT)
+        env["WATCHER_RUN_DIR"] = str(self.out.resolve())
+        env["WATCHER_POLICY"] = self.policy
+        env["WATCHER_SNAPSHOT_BUDGET"] = str(self.snapshot_budget)
+        if self.snapshot_interval:
+            env["WATCHER_SNAPSHOT_INTERVAL"] = str(self.snapshot_interval)
+        if self.detect:
+            env["WATCHER_DETECT"] = json.dumps(self.detect)
+        if self.inject:
+            env["WATCHER_INJECT"] = json.dumps(self.inject)
+        else:
+            env.pop("WATCHER_INJECT", None)
+        return env
+
+
+@dataclass
+class RunResult:
+    out: Path
+    exit_code: int
+    incidents: list[dict]
+    steps: int
+
+
+def parse_detect(items: list[str]) -> dict:
+    from .analysis.detectors import Detectors
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"bad --detect {item!r}: use KEY=VALUE, e.g. --detect hang_seconds=60")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    try:
+        Detectors.from_dict(out)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"bad --detect: {e}") from None
+    return out
+
+
+def run(cfg: RunConfig) -> RunResult:
+    cfg.validate()
+    from .session import Session, SessionConfig
+
+    if cfg.out.exists():
+        raise RecordingError(f"{cfg.out} already exists; choose another --out or remove it")
+    try:
+        cfg.out.mkdir(mode=0o700, parents=True)
+        (cfg.out / "runtime").mkdir()
+        (cfg.out / "incidents").mkdir()
+    except OSError as e:
+        raise RecordingError(f"cannot create {cfg.out}: {e.strerror}") from None
+    # Snapshots of a crashed rank are orphaned; as subreaper we get them, not init.
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    session = Session(SessionConfig(out=cfg.out / "recording.duckdb", quiet=cfg.quiet))
+    status = _StatusLine(cfg.out) if sys.stderr.isatty() and not cfg.quiet else None
+    try:
+        result = session.record(list(cfg.cmd), env=cfg.env())
+    finally:
+        if status:
+            status.stop()
+    _crash_incident(cfg)
+    incidents = ingest(cfg.out)
+    steps = _count_steps(cfg.out)
+    code = result.target_exit or 0
+    if not cfg.quiet:
+        for inc in incidents:
+            print(describe(inc), file=sys.stderr)
+    _reap_orphans()
+    return RunResult(cfg.out, code, incidents, steps)
+
+
+def describe(inc: dict) -> str:
+    rep = inc.get("replay") or {}
+    div = rep.get("first_divergence")
+    where = ""
+    if div:
+        c = div.get("collective") or {}
+        where = (f"; first divergence on rank {div['rank']} at step {div['step']}"
+                 + (f", {c.get('op')} #{c.get('seq')}" if c else "") + f" ({div['where']})")
+    elif rep.get("stall"):
+        s = rep["stall"]
+        where = f"; rank {s['rank']} entered {s['collective']['op']} #{s['collective']['seq']} at step {s['step']} {s['wait_s']} s late"
+    return (f"watcher: {inc['incident_id']}: {inc['kind']} at step {inc['detected_step']} on rank "
+            f"{inc['detected_rank']} -> {inc.get('classification') or 'unclassified'}"
+            + (f" ({inc['transient_cause']})" if inc.get("transient_cause") else "") + where)
+
+
+class _StatusLine:
+    """One refreshing line on a terminal: step, ranks, incidents."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.done = threading.Event()
+        self.t = threading.Thread(target=self._loop, daemon=True)
+        self.t.start()
+
+    def _loop(self) -> None:
+        from .runtime.control import Control, SIZE
+
+        ctl = None
+        while not self.done.wait(1.0):
+            path = self.out / "runtime" / "control"
+            if ctl is None:
+                if not path.exists() or path.stat().st_size < SIZE:
+                    continue
+                ctl = Control(self.out / "runtime")
+            ranks = [ctl.latest_step(r) for r in range(64)]
+            live = [s for s in ranks if s >= 0]
+            n_inc = len(list((self.out / "incidents").glob("*.json")))
+            if live:
+                sys.stderr.write(f"\rwatcher: step {max(live)}  ranks {len(live)}  incidents {n_inc}   ")
+                sys.stderr.flush()
+
+    def stop(self) -> None:
+        self.done.set()
+        sys.stderr.write("\n")
+
+
+# -- after the job ---------------------------------------------------------------------------
+
+def _ranks(out: Path) -> list[dict]:
+    con = duckdb.connect(str(out / "recording.duckdb"), read_only=True)
+    try:
+        rows = con.execute(
+            "SELECT p.rank, p.pid, p.exit_code, p.exit_signal, p.end_ts FROM process p "
+            "LEFT JOIN process parent ON parent.upid = p.parent_upid "
+            "WHERE p.rank IS NOT NULL AND parent.rank IS NULL ORDER BY p.end_ts").fetchall()
+    finally:
+        con.close()
+    return [dict(zip(("rank", "pid", "exit_code", "exit_signal", "end_ts"), r)) for r in rows]
+
+
+def _crash_incident(cfg: RunConfig) -> dict | None:
+    """The first rank to die abnormally (not stopped by Watcher, not killed by
+    the launcher after a peer failed): replay it from its newest snapshot."""
+    from .replay.coordinator import read_steps
+
+    try:
+        ranks = _ranks(cfg.out)
+    except duckdb.Error:
+        return None
+    crashed = None
+    for r in ranks:
+        sig, code = r["exit_signal"], r["exit_code"]
+        if sig in (signal.SIGTERM, signal.SIGKILL, signal.SIGINT) or code in (0, STOPPED_BY_WATCHER, None) and not sig:
+            continue
+        crashed = r
+        break
+    if crashed is None:
+        return None
+    rank = crashed["rank"]
+    steps = read_steps(cfg.out, rank)
+    last = max(steps) if steps else -1
+    snaps = sorted(s for s, fp in steps.items() if fp.get("snapshot"))
+    n = len(list((cfg.out / "incidents").glob("inc-*.json"))) + 1
+    inc_id = f"inc-{n:04d}"
+    inc_dir = cfg.out / "incidents" / inc_id
+    inc_dir.mkdir(parents=True, exist_ok=True)
+    how = (f"signal {signal.Signals(crashed['exit_signal']).name}" if crashed["exit_signal"]
+           else f"exit code {crashed['exit_code']}")
+    verdict = {
+        "incident_id": inc_id, "kind": "crash", "detected_step": last + 1, "detected_rank": rank,
+        "detected_ts": crashed["end_ts"], "detail": {"how": how, "pid": crashed["pid"],
+                                                     "exit_code": crashed["exit_code"],
+                                                     "exit_signal": crashed["exit_signal"]},
+        "window": {"from_step": snaps[-1] if snaps else None, "to_step": last + 1},
+        "replay": None, "classification": None, "track": None, "transient_cause": None,
+        "attribution": None, "causal_chain": None, "prescription": None,
+        "recovered": False, "resumed_at_step": None, "steps_lost": None, "snapshot": None,
+    }
+    if snaps:
+        reply = _crash_replay(cfg.out, rank, snaps[-1], last + 1, inc_dir)
+        verdict["replay"] = reply
+        if reply.get("crashed_again") is not None:
+            again = reply["crashed_again"]
+            verdict.update(classification="persistent" if again else "transient",
+                           track="B" if again else "A",
+                           transient_cause=None if again else "unknown")
+    else:
+        verdict["replay"] = {"reproduced": None, "first_divergence": None,
+                             "reason": "the rank crashed before its first snapshot"}
+    write_json(cfg.out / "incidents" / f"{inc_id}.json", verdict)
+    return verdict
+
+
+def _crash_replay(out: Path, rank: int, snap_step: int, to_step: int, inc_dir: Path, wait_s: float = 120) -> dict:
+    reply_path = inc_dir / f"rank{rank}.crash_replay.json"
+    order = {"op": "replay", "to_step": to_step, "suspects": [],
+             "result": str(inc_dir / f"rank{rank}.result.pt"), "log": str(inc_dir / f"rank{rank}.replay.log"),
+             "sandbox_log": str(inc_dir / f"rank{rank}.sandbox.jsonl"), "reply": str(reply_path)}
+    write_json(out / "runtime" / f"crash_replay.rank{rank}.step{snap_step}.json", order)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not reply_path.exists():
+        time.sleep(0.1)
+    if not reply_path.exists():
+        return {"reproduced": None, "first_divergence": None,
+                "reason": f"the snapshot at step {snap_step} was gone before it could be replayed"}
+    with open(reply_path) as f:
+        reply = json.load(f)
+    status = reply.get("status")
+    sig = -reply["exit_code"] if reply.get("exit_code") is not None and reply["exit_code"] < 0 else None
+    result = {}
+    try:
+        import torch
+
+        result = torch.load(inc_dir / f"rank{rank}.result.pt", weights_only=False)
+    except Exception:
+        pass
+    again = sig is not None
+    return {"reproduced": again, "crashed_again": again,
+            "replay_signal": signal.Signals(sig).name if sig else None,
+            "replay_status": result.get("status") if result else ("killed" if sig else None),
+            "replayed_steps": sorted(result.get("steps", {})) if result else None,
+            "first_divergence": result.get("first_divergence") if result else None,
+            "from_step": snap_step, "wait_status": status}
+
+
+def _reap_orphans() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _count_steps(out: Path) -> int:
+    try:
+        con = duckdb.connect(str(out / "recording.duckdb"), read_only=True)
+        try:
+            return con.execute("SELECT coalesce(max(step) + 1, 0) FROM step").fetchone()[0]
+        finally:
+            con.close()
+    except duckdb.Error:
+        return 0
+
+
+def ingest(out: Path) -> list[dict]:
+    """Copy the runtime's logs, the incidents and the sandbox logs into the recording."""
+    from . import schema
+    from .replay.coordinator import read_colls, read_steps
+
+    rt_dir = out / "runtime"
+    ranks = sorted({int(p.name[4:].split(".")[0]) for p in rt_dir.glob("rank*.steps.jsonl")})
+    step_rows, coll_rows = [], []
+    for r in ranks:
+        for k, fp in sorted(read_steps(out, r).items()):
+            step_rows.append((r, k, fp["ts"], fp.get("dur"), fp.get("loss"), fp.get("grad_norm"),
+                              _i64(fp.get("param_sum")), _i64(fp.get("batch_sum")), fp.get("rng"),
+                              fp.get("n_coll"), fp.get("snapshot")))
+        for (g, seq), c in sorted(read_colls(out, r).items(), key=lambda kv: kv[1]["ts"]):
+            coll_rows.append((r, g, seq, c["op"], c["step"], c.get("numel"), c.get("dtype"), c.get("reduce_op"),
+                              _i64(c.get("in_sum")), _i64(c.get("out_sum")), c["ts"], c.get("dur")))
+    incidents, inc_rows, sandbox_rows = [], [], []
+    for p in sorted((out / "incidents").glob("inc-*.json")):
+        with open(p) as f:
+            inc = json.load(f)
+        incidents.append(inc)
+        rep = inc.get("replay") or {}
+        div = rep.get("first_divergence") or {}
+        c = div.get("collective") or {}
+        inc_rows.append((inc["incident_id"], inc["kind"], inc.get("detected_step"), inc.get("detected_rank"),
+                         inc.get("detected_ts"), (inc.get("window") or {}).get("from_step"),
+                         (inc.get("window") or {}).get("to_step"), rep.get("reproduced"),
+                         div.get("rank"), div.get("step"),
+                         f"{c.get('group')}/{c.get('seq')} {c.get('op')}" if c else None, div.get("where"),
+                         inc.get("classification"), inc.get("track"), inc.get("transient_cause"),
+                         inc.get("recovered"), json.dumps(inc)))
+        for log in sorted((out / "incidents" / inc["incident_id"]).glob("rank*.sandbox.jsonl")):
+            rank = int(log.name[4:].split(".")[0])
+            with open(log) as f:
+                for line in f:
+                    try:
+                        e = json.loads(line)
+                    except ValueError:
+                        continue
+                    sandbox_rows.append((inc["incident_id"], rank, e["ts"], e["pid"], e["syscall"], e.get("fd"),
+                                         e["action"]))
+    con = duckdb.connect(str(out / "recording.duckdb"))
+    try:
+        for table, rows in (("step", step_rows), ("collective_io", coll_rows), ("incident", inc_rows),
+                            ("sandbox_event", sandbox_rows)):
+            con.execute(schema.TABLE_BY_NAME[table].ddl())
+            if rows:
+                n = len(rows[0])
+                con.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * n)})", rows)
+    finally:
+        con.close()
+    os.chmod(out / "recording.duckdb", 0o600)
+    return incidents
+
+
+def _i64(v):
+    """Checksums are 63-bit; keep them as-is (BIGINT)."""
+    return v

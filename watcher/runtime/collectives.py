@@ -1,0 +1,141 @@
+"""A ProcessGroup that records every collective, or answers it from the record.
+
+`WatchedGroup` is a Python subclass of c10d's ProcessGroup wrapping the real
+group.  Installed as the default group (and so DDP's group) and around every
+`new_group`, it sees the user's `dist.*` calls, DDP's gradient allreduces and
+its buffer broadcasts alike.
+
+- live: checksum the inputs, call the real group, and when the work completes
+  checksum and keep a copy of the outputs (for the replay window).
+- replay: never touch the network (gloo's threads do not survive fork anyway):
+  compare the replayed inputs' checksum with the record, write the recorded
+  outputs into the output tensors and return an already-completed work.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from .checksum import tensors_sum
+
+
+def _flat(x) -> list:
+    out = []
+    for t in x:
+        if isinstance(t, (list, tuple)):
+            out.extend(_flat(t))
+        elif isinstance(t, torch.Tensor):
+            out.append(t)
+    return out
+
+
+def _done_work(result):
+    fut = torch.futures.Future()
+    fut.set_result(result)
+    return torch._C._distributed_c10d._create_work_from_future(fut)
+
+
+# op name -> (inputs, outputs) picked from the call's arguments
+_SIGNATURES = {
+    "allreduce": lambda a: (a[0], a[0]),
+    "allreduce_coalesced": lambda a: (a[0], a[0]),
+    "broadcast": lambda a: (a[0], a[0]),
+    "reduce": lambda a: (a[0], a[0]),
+    "allgather": lambda a: (a[1], a[0]),
+    "_allgather_base": lambda a: ([a[1]], [a[0]]),
+    "allgather_into_tensor_coalesced": lambda a: (a[1], a[0]),
+    "allgather_coalesced": lambda a: (a[1], a[0]),
+    "reduce_scatter": lambda a: (a[1], a[0]),
+    "_reduce_scatter_base": lambda a: ([a[1]], [a[0]]),
+    "reduce_scatter_tensor_coalesced": lambda a: (a[1], a[0]),
+    "alltoall": lambda a: (a[1], a[0]),
+    "alltoall_base": lambda a: ([a[1]], [a[0]]),
+    "gather": lambda a: (a[1], a[0]),
+    "scatter": lambda a: (a[1], a[0]),
+    "barrier": lambda a: ([], []),
+    "send": lambda a: (a[0], []),
+    "recv": lambda a: ([], a[0]),
+    "recv_anysource": lambda a: ([], a[0]),
+}
+
+
+class WatchedGroup(dist.ProcessGroup):
+    def __init__(self, inner: dist.ProcessGroup, runtime, gid: str):
+        super().__init__(inner.rank(), inner.size())
+        self.inner = inner
+        self.rt = runtime
+        self.gid = gid
+        self.seq = 0
+
+    def _call(self, op: str, args: tuple):
+        rt = self.rt
+        if rt.disabled:
+            return getattr(self.inner, op)(*args)
+        try:
+            ins, outs = _SIGNATURES[op](args)
+            ins, outs = _flat(ins), _flat(outs)
+            for stage, fn in rt.fault_hooks:  # drills only
+                if stage == "collective_input":
+                    fn(rt, op, ins)
+            self.seq += 1
+            meta = {"group": self.gid, "seq": self.seq, "op": op, "step": rt.step + 1,
+                    "numel": sum(t.numel() for t in ins or outs),
+                    "dtype": str((ins or outs)[0].dtype).replace("torch.", "") if (ins or outs) else None,
+                    "in_sum": tensors_sum(ins), "ts": time.monotonic_ns()}
+            red = getattr(args[-1], "reduceOp", None) if args else None
+            if red is not None:
+                meta["reduce_op"] = str(getattr(red, "op", red)).split(".")[-1]
+        except Exception as e:
+            rt.fail(e)
+            return getattr(self.inner, op)(*args)
+        if rt.mode == "replay":
+            return rt.replay.collective(rt, meta, ins, outs)
+        rt.before_collective(meta)
+        work = getattr(self.inner, op)(*args)
+        if any(stage == "collective_output" for stage, _ in rt.fault_hooks):
+            # Drills corrupting an output must do it before anyone reads it:
+            # complete the work here and hand back a finished one.
+            work.wait()
+            rt.track_collective(meta, outs, None)
+            return _done_work(outs)
+        return rt.track_collective(meta, outs, work)
+
+    def __repr__(self) -> str:
+        return f"WatchedGroup({self.gid}, rank={self.rank()}, size={self.size()})"
+
+
+def _method(op: str):
+    def method(self, *args, **kwargs):
+        # c10d passes trailing options by keyword (barrier(opts=...)).
+        return self._call(op, args + tuple(kwargs.values()))
+    method.__name__ = op
+    return method
+
+
+# Real methods on the class (not __getattr__ tricks): the C++ side (DDP's
+# reducer) finds Python overrides by looking them up on the type.
+for _op in _SIGNATURES:
+    setattr(WatchedGroup, _op, _method(_op))
+
+
+def wrap(inner: dist.ProcessGroup, runtime) -> WatchedGroup:
+    """Wrap a real group and register the wrapper in c10d's world tables
+    under the same name and ranks, so `dist.*` helpers accept it."""
+    # c10d's group name is the same on every member rank, so it keys the record.
+    w = WatchedGroup(inner, runtime, str(c10d._world.pg_names.get(inner, "?")))
+    dev = torch.device("cpu")
+    try:
+        backend = inner._get_backend(dev)
+        w._register_backend(dev, dist.ProcessGroup.BackendType.GLOO, backend)
+        w._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    except Exception:
+        pass  # not a gloo/CPU group: the wrapper still forwards every collective
+    world = c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag):
+        if inner in table:
+            table[w] = table[inner]
+    return w

@@ -1,0 +1,121 @@
+"""The ranks' shared control block and incident files, in the run directory.
+
+Hot path (every step): each rank writes its step and parameter checksum into
+its own slot of a small shared mmap, and reads one word to learn whether an
+incident is open.  Cold path (an incident): small JSON files written with an
+atomic rename, so a reader never sees half a file.
+
+    header  magic | incident_seq | plan_seq | verdict_seq
+    slot r  arrived_seq | arrived_step | ring of RING (step, param_sum)
+
+One control file per node: ranks of a multi-node job see only their own
+node's peers here.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+MAGIC = 0x57415443_48455231  # "WATCHER1"
+MAX_RANKS = 1024
+RING = 8
+HEADER = 64
+SLOT = 16 + RING * 16
+SIZE = HEADER + MAX_RANKS * SLOT
+_Q = struct.Struct("<q")
+_QQ = struct.Struct("<qq")
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path):
+    with open(path) as f:
+        return json.load(f)
+
+
+class Control:
+    def __init__(self, runtime_dir: Path):
+        self.dir = Path(runtime_dir)
+        self.path = self.dir / "control"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < SIZE:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if os.fstat(fd).st_size < SIZE:
+                    os.ftruncate(fd, SIZE)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            self.mm = mmap.mmap(fd, SIZE)
+        finally:
+            self.fd = fd
+        if _Q.unpack_from(self.mm, 0)[0] != MAGIC:
+            _Q.pack_into(self.mm, 0, MAGIC)
+            for r in range(MAX_RANKS):
+                _QQ.pack_into(self.mm, HEADER + r * SLOT, 0, -1)
+                for i in range(RING):
+                    _QQ.pack_into(self.mm, HEADER + r * SLOT + 16 + i * 16, -1, 0)
+
+    # -- header words --------------------------------------------------------------
+    def _get(self, i: int) -> int:
+        return _Q.unpack_from(self.mm, 8 * i)[0]
+
+    def _set(self, i: int, v: int) -> None:
+        _Q.pack_into(self.mm, 8 * i, v)
+
+    incident_seq = property(lambda self: self._get(1))
+    plan_seq = property(lambda self: self._get(2), lambda self, v: self._set(2, v))
+    verdict_seq = property(lambda self: self._get(3), lambda self, v: self._set(3, v))
+
+    # -- per-rank beacons ------------------------------------------------------------
+    def beacon(self, rank: int, step: int, param_sum: int) -> None:
+        _QQ.pack_into(self.mm, HEADER + rank * SLOT + 16 + (step % RING) * 16, step, param_sum)
+
+    def beacon_at(self, rank: int, step: int) -> int | None:
+        s, v = _QQ.unpack_from(self.mm, HEADER + rank * SLOT + 16 + (step % RING) * 16)
+        return v if s == step else None
+
+    def latest_step(self, rank: int) -> int:
+        base = HEADER + rank * SLOT + 16
+        return max(_QQ.unpack_from(self.mm, base + i * 16)[0] for i in range(RING))
+
+    def arrive(self, rank: int, seq: int, step: int) -> None:
+        _QQ.pack_into(self.mm, HEADER + rank * SLOT, seq, step)
+
+    def arrived(self, rank: int) -> tuple[int, int]:
+        return _QQ.unpack_from(self.mm, HEADER + rank * SLOT)
+
+    # -- incidents ----------------------------------------------------------------------
+    def open_incident(self, info: dict) -> int | None:
+        """Open an incident unless one is already open.  Returns its seq, or None."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            seq = self.incident_seq
+            if seq > self.verdict_seq:
+                return None  # one incident at a time; this one is already being handled
+            seq += 1
+            info = dict(info, seq=seq, incident_id=f"inc-{seq:04d}")
+            write_json(self.dir / f"incident.{seq}.json", info)
+            self._set(1, seq)
+            return seq
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def incident(self, seq: int) -> dict:
+        return read_json(self.dir / f"incident.{seq}.json")
+
+    def wait(self, cond, timeout: float, what: str, poll: float = 0.002) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+            time.sleep(poll)

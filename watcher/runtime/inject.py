@@ -1,0 +1,111 @@
+"""Fault injection for drills.  Nothing else in Watcher reads this module.
+
+`watcher drill` sets WATCHER_INJECT to a JSON fault; this module turns it into
+hooks on the runtime's fault points.  Transient faults fire once, in the live
+rank only, as a real cosmic-ray bit flip or network glitch would: they check
+`rt.mode == "live"` themselves.  Persistent faults are a deterministic function
+of program state (step counter, batch content, CPU set), so a replay meets
+them again.
+
+Scenarios (all take "rank" and "step"):
+  grad_bitflip      flip the top exponent bit of one gradient element before its allreduce (transient)
+  allreduce_corrupt flip the top exponent bit of one element of an allreduce output (transient)
+  stall             sleep `seconds` before one collective (transient)
+  lr_spike          multiply the learning rate by `factor` from `step` on (persistent)
+  nan_op            GELU outputs NaN whenever the batch has checksum `batch_sum` (persistent, data)
+  bad_cores         a Linear's output is scaled by `factor` while the rank runs on CPUs `cpus` (persistent, device)
+  segv              SIGSEGV at the start of `step` (persistent crash)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import torch
+
+SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "lr_spike", "nan_op", "bad_cores", "segv")
+
+
+def _flip_top_exponent_bit(t: torch.Tensor) -> None:
+    flat = t.detach().view(-1)
+    if flat.dtype == torch.float32 and flat.numel():
+        flat.view(torch.int32)[0] ^= 1 << 30
+
+
+def arm(rt) -> None:
+    raw = os.environ.get("WATCHER_INJECT")
+    if not raw:
+        return
+    f = json.loads(raw)
+    kind, rank, step = f["scenario"], f.get("rank", 0), f.get("step", 0)
+    if rt.rank != rank and kind != "lr_spike":  # a learning rate is the same on every rank
+        return
+    fired = {"n": 0}
+
+    def once() -> bool:
+        if rt.mode != "live" or fired["n"]:
+            return False
+        fired["n"] = 1
+        return True
+
+    if kind == "grad_bitflip":
+        def hook(rt_, op, ins):
+            if op == "allreduce" and rt_.step + 1 == step and ins and once():
+                _flip_top_exponent_bit(ins[0])
+        rt.fault_hooks.append(("collective_input", hook))
+    elif kind == "allreduce_corrupt":
+        def hook(rt_, meta, outs):
+            if meta["op"] == "allreduce" and meta["step"] == step and outs and once():
+                _flip_top_exponent_bit(outs[0])
+        rt.fault_hooks.append(("collective_output", hook))
+    elif kind == "stall":
+        def hook(rt_, meta):
+            if meta["step"] == step and once():
+                time.sleep(float(f.get("seconds", 5)))
+        rt.fault_hooks.append(("before_collective", hook))
+    elif kind in ("lr_spike", "segv"):
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def pre(opt, args, kwargs):
+            if rt.step + 1 != step or opt is not rt.main_opt:
+                return
+            if kind == "segv":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * float(f.get("factor", 1000.0))
+        register_optimizer_step_pre_hook(pre)
+    elif kind == "nan_op":
+        from torch.nn.modules.module import register_module_forward_hook
+
+        target = int(f["batch_sum"])
+
+        def batch_hook(rt_, batch):
+            from .checksum import object_sum
+            rt_._inject_poisoned = object_sum(batch) == target
+            return batch
+        rt.fault_hooks.append(("batch", batch_hook))
+
+        def fwd(module, inputs, output):
+            if getattr(rt, "_inject_poisoned", False) and isinstance(module, torch.nn.GELU):
+                return output * float("nan")
+            return None
+        register_module_forward_hook(fwd)
+        if rt.mode == "replay":
+            pass
+    elif kind == "bad_cores":
+        from torch.nn.modules.module import register_module_forward_hook
+
+        bad = set(f.get("cpus", [0]))
+        factor = float(f.get("factor", 1e4))
+
+        def fwd(module, inputs, output):
+            if (rt.step + 1 >= step and isinstance(module, torch.nn.Linear)
+                    and set(os.sched_getaffinity(0)) <= bad and getattr(module, "out_features", 0) == 256):
+                return output * factor
+            return None
+        register_module_forward_hook(fwd)
+    else:
+        raise ValueError(f"unknown scenario {kind!r}")

@@ -1,0 +1,439 @@
+"""The per-rank runtime: step capture, snapshots, detectors, incident handling.
+
+A step is delimited by the main optimizer's `step()` (the optimizer with the
+most parameters, the first one stepped on a tie); its loss is the root of the
+last scalar `backward()`.  At each step end the runtime writes a fingerprint
+(loss, grad norm, parameter checksum, batch digest, RNG digest), keeps what a
+replay needs in the current window segment, maybe forks a snapshot, runs the
+detectors, and joins an open incident when it reaches the incident's halt step.
+
+In a replay child the same hooks run in `replay` mode: batches and collective
+outputs come from the window, and every fingerprint and collective input is
+compared with the record.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from . import collectives
+from .checksum import object_sum, rng_digest, tensors_sum
+from .control import Control, read_json, write_json
+from .window import END_OF_DATA, SegmentWriter
+
+RUNTIME: "RankRuntime | None" = None
+STOP_EXIT_CODE = 75  # a rank stopped by Watcher after an incident (EX_TEMPFAIL)
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class RankRuntime:
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / "runtime"
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.policy = os.environ.get("WATCHER_POLICY", "recover")
+        self.mode = "live"
+        self.disabled = False
+        self.active = False
+        self.step = -1                # last completed step
+        self.main_opt = None
+        self.fetch_idx = 0
+        self.groups: list = []
+        self.last_loss = None
+        self.batch_sums: list = []
+        self.done_colls: list = []    # completed this step (meta with out_sum)
+        self.pending: list = []       # (meta, outs, work) with no completion callback
+        self.snapshots: list = []
+        self.last_end_ns = None
+        self.step_ns: list[int] = []
+        self.handled_seq = 0
+        self.replicated = None        # do all ranks hold identical parameters (DDP)?
+        self.sdc_checked = -1
+        self.replay = None            # replay.state.ReplayState in a replay child
+        self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
+        from ..analysis.detectors import Detectors
+        from ..replay.snapshot import SnapshotPolicy
+
+        self.detectors = Detectors.from_env()
+        self.snap_policy = SnapshotPolicy(_env_float("WATCHER_SNAPSHOT_BUDGET", 1.0) / 100.0)
+        self._lock = threading.Lock()
+
+    # -- fail open -----------------------------------------------------------------------
+    def fail(self, e: BaseException) -> None:
+        """A Watcher bug: record it and get out of the way for good."""
+        if self.disabled:
+            return
+        self.disabled = True
+        if self.mode == "replay":  # stderr is the replay log here
+            traceback.print_exception(e)
+            sys.stderr.flush()
+            os._exit(70)
+        try:
+            with open(self.dir / f"rank{self.rank}.error", "a") as f:
+                f.write("".join(traceback.format_exception(e)))
+            print(f"watcher: runtime disabled on rank {self.rank} after an internal error: {e}",
+                  file=sys.stderr, flush=True)
+        except Exception:
+            pass
+
+    def activate(self) -> None:
+        if self.active or self.disabled:
+            return
+        self.active = True
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ctl = Control(self.dir)
+        self.steps_log = open(self.dir / f"rank{self.rank}.steps.jsonl", "a", buffering=1 << 16)
+        self.coll_log = open(self.dir / f"rank{self.rank}.colls.jsonl", "a", buffering=1 << 16)
+        self.seg = SegmentWriter(self.dir, self.rank)
+        self.seg.start(-1)
+        self.handled_seq = self.ctl.incident_seq
+        self.watchdog = threading.Thread(target=self._watchdog, name="watcher-watchdog", daemon=True)
+        self.watchdog.start()
+        # A normal exit lets the snapshots go at once; after a crash they
+        # outlive the rank briefly, for a crash replay.
+        atexit.register(self.close)
+
+    # -- hooks (called from patched torch entry points) -------------------------------------
+    def on_backward(self, tensor: torch.Tensor) -> None:
+        if tensor.numel() == 1:
+            self.last_loss = tensor.detach()
+
+    def next_batch(self, it, orig):
+        self.activate()
+        idx = self.fetch_idx
+        self.fetch_idx += 1
+        if self.mode == "replay":
+            batch = self.replay.batch(idx, it, orig)
+        else:
+            try:
+                batch = orig(it)
+            except StopIteration:
+                self.seg.put(("batch", idx, END_OF_DATA))
+                raise
+        for stage, fn in self.fault_hooks:
+            if stage == "batch":
+                batch = fn(self, batch)
+        self.batch_sums.append(object_sum(batch))
+        if self.mode == "live":
+            self.seg.put(("batch", idx, batch))
+        return batch
+
+    def before_collective(self, meta: dict) -> None:
+        self.activate()
+        for stage, fn in self.fault_hooks:
+            if stage == "before_collective":
+                fn(self, meta)
+                meta["ts"] = time.monotonic_ns()  # the rank reaches the collective only now
+
+    def track_collective(self, meta: dict, outs: list, work) -> None:
+        def capture(fut=None):
+            try:
+                for stage, fn in self.fault_hooks:
+                    if stage == "collective_output":
+                        fn(self, meta, outs)
+                meta["dur"] = time.monotonic_ns() - meta["ts"]
+                copies = [o.detach().clone() for o in outs]
+                meta["out_sum"] = tensors_sum(copies)
+                self.seg.put(("coll", meta, copies))
+                self.done_colls.append(meta)
+            except Exception as e:
+                self.fail(e)
+
+        if work is None:
+            capture()
+            return None
+        try:
+            fut = work.get_future()
+        except Exception:
+            self.pending.append((meta, outs, work, capture))
+            return work
+
+        def completed(f):
+            value = f.value()  # re-raises a failed collective to whoever waits
+            capture()
+            return value
+
+        # Whoever waits on the work (DDP's reducer, the user's wait()) sees it
+        # complete only after the outputs were copied: nothing can overwrite
+        # them before they are recorded.
+        return _done_later(fut.then(completed))
+
+    def on_optimizer_step(self, opt) -> None:
+        if self.main_opt is None or (opt is not self.main_opt and _n_params(opt) > _n_params(self.main_opt)):
+            self.main_opt = opt
+        if opt is not self.main_opt:
+            return
+        self.activate()
+        if self.mode == "replay":
+            self.replay.step_end(self, self.fingerprint())
+            return
+        self.step_end()
+
+    # -- step end (live) --------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        self.step += 1
+        k = self.step
+        now = time.monotonic_ns()
+        params = [p for g in self.main_opt.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        gn = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
+        loss = float(self.last_loss) if self.last_loss is not None else None
+        for item in list(self.pending):
+            meta, outs, work, capture = item
+            if work.is_completed():
+                capture()
+                self.pending.remove(item)
+        colls, self.done_colls = self.done_colls, []
+        bsums, self.batch_sums = self.batch_sums, []
+        return {"step": k, "rank": self.rank, "ts": now,
+                "dur": now - self.last_end_ns if self.last_end_ns else None,
+                "loss": loss, "grad_norm": gn, "param_sum": tensors_sum(params),
+                "batch_sum": _combine(bsums), "rng": rng_digest(), "n_coll": len(colls),
+                "_colls": colls}
+
+    def step_end(self) -> None:
+        fp = self.fingerprint()
+        k = fp["step"]
+        colls = fp.pop("_colls")
+        if self.last_end_ns is not None:
+            self.step_ns.append(fp["ts"] - self.last_end_ns)
+            if len(self.step_ns) > 64:
+                del self.step_ns[:32]
+        self.last_end_ns = fp["ts"]
+        for meta in colls:
+            self.coll_log.write(json.dumps(meta) + "\n")
+        fp["snapshot"] = False
+        self.ctl.beacon(self.rank, k, fp["param_sum"])
+        incident = self.detect(fp)
+        if incident:
+            incident.update(rank=self.rank, halt_step=k + 1, detected_ts=fp["ts"])
+            self.ctl.open_incident(incident)
+        open_incident = self.ctl.incident_seq > self.handled_seq
+        if not open_incident and self.snap_policy.due(k, self):
+            self.take_snapshot(k)
+            if self.mode != "live":
+                return  # a replay child, woken from this snapshot: back to the training loop
+            fp["snapshot"] = True
+        self.seg.put(("step", fp))
+        self.steps_log.write(json.dumps(fp) + "\n")
+        self.steps_log.flush()
+        self.coll_log.flush()
+        self.seg.flush()
+        if open_incident:
+            seq = self.ctl.incident_seq
+            info = self.ctl.incident(seq)
+            if k >= info["halt_step"]:
+                from ..replay.coordinator import handle_incident
+
+                handle_incident(self, seq, info)
+
+    def detect(self, fp: dict) -> dict | None:
+        hit = self.detectors.check_step(fp)
+        if hit:
+            return hit
+        return self.check_replicas(fp["step"])
+
+    def check_replicas(self, k: int) -> dict | None:
+        """SDC: under DDP every rank holds the same parameters after each step."""
+        if self.world < 2:
+            return None
+        for s in range(max(self.sdc_checked + 1, k - 7), k + 1):
+            sums = [self.ctl.beacon_at(r, s) for r in range(self.world)]
+            if any(v is None for v in sums):
+                break
+            self.sdc_checked = s
+            same = len(set(sums)) == 1
+            if self.replicated is None:
+                self.replicated = same  # decided on the first step every rank reported
+                continue
+            if self.replicated and not same and self.detectors.sdc:
+                return {"kind": "sdc", "failing_step": s,
+                        "detail": {"param_sums": dict(enumerate(sums))}}
+        return None
+
+    # -- snapshots ----------------------------------------------------------------------------
+    def take_snapshot(self, k: int) -> None:
+        from ..replay.snapshot import ForkSnapshot
+
+        self.steps_log.flush()
+        self.coll_log.flush()
+        snap = ForkSnapshot.take(self, k)
+        if snap is None:
+            return  # we are a replay child, returning into the training loop
+        self.seg.start(k)
+        self.snapshots.append(snap)
+        while len(self.snapshots) > self.snap_policy.keep:
+            old = self.snapshots.pop(0)
+            old.release()
+        self.seg.drop_before(self.snapshots[0].step)
+
+    def snapshot_at(self, step: int):
+        for s in self.snapshots:
+            if s.step == step:
+                return s
+        return None
+
+    # -- hang watchdog ----------------------------------------------------------------------------
+    def _watchdog(self) -> None:
+        while not self.disabled and self.mode == "live":
+            time.sleep(0.25)
+            try:
+                if self.last_end_ns is None or not self.step_ns:
+                    continue
+                limit = self.detectors.hang_limit_s(sorted(self.step_ns)[len(self.step_ns) // 2] / 1e9)
+                stalled = (time.monotonic_ns() - self.last_end_ns) / 1e9
+                if stalled > limit and self.ctl.incident_seq == self.handled_seq:
+                    ends = [self.ctl.latest_step(r) for r in range(self.world)]
+                    self.ctl.open_incident({
+                        "kind": "hang", "rank": self.rank, "failing_step": max(ends) + 1,
+                        "halt_step": max(ends) + 2, "detected_ts": time.monotonic_ns(),
+                        "detail": {"no_progress_s": round(stalled, 3), "limit_s": round(limit, 3),
+                                   "last_step_by_rank": ends}})
+            except Exception as e:
+                self.fail(e)
+                return
+
+    def close(self) -> None:
+        for s in self.snapshots + getattr(self, "retained", []):
+            s.release()
+        self.snapshots = []
+
+
+def _done_later(fut):
+    return torch._C._distributed_c10d._create_work_from_future(fut)
+
+
+def _n_params(opt) -> int:
+    return sum(len(g["params"]) for g in opt.param_groups)
+
+
+def _combine(sums: list) -> int | None:
+    vals = [s for s in sums if s is not None]
+    if not vals:
+        return None
+    acc = 0
+    for v in vals:
+        acc = (acc * 1000003 + v) & ((1 << 63) - 1)
+    return acc
+
+
+# -- installation -------------------------------------------------------------------------------
+
+def _guard(fn):
+    """Run a hook body; any exception disables Watcher, never the training."""
+    def guarded(*args, **kwargs):
+        rt = RUNTIME
+        if rt is None or rt.disabled:
+            return None
+        try:
+            return fn(rt, *args, **kwargs)
+        except SystemExit:
+            raise
+        except BaseException as e:
+            rt.fail(e)
+            return None
+    return guarded
+
+
+def install() -> None:
+    global RUNTIME
+    if RUNTIME is not None:
+        return
+    RUNTIME = RankRuntime(Path(os.environ["WATCHER_RUN_DIR"]))
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils.data import dataloader
+
+    register_optimizer_step_post_hook(_guard(lambda rt, opt, args, kwargs: rt.on_optimizer_step(opt)))
+
+    orig_backward = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        _guard(lambda rt: rt.on_backward(self))()
+        return orig_backward(self, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+
+    orig_next = dataloader._BaseDataLoaderIter.__next__
+
+    def __next__(self):
+        rt = RUNTIME
+        if rt is None or rt.disabled:
+            return orig_next(self)
+        try:
+            rt.activate()
+        except Exception as e:
+            rt.fail(e)
+            return orig_next(self)
+        return rt.next_batch(self, orig_next)
+
+    dataloader._BaseDataLoaderIter.__next__ = __next__
+
+    orig_init = c10d.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        result = orig_init(*args, **kwargs)
+        _guard(lambda rt: rt.wrap_default_group())()
+        return result
+
+    orig_new_group = c10d.new_group
+
+    def new_group(*args, **kwargs):
+        group = orig_new_group(*args, **kwargs)
+        wrapped = _guard(lambda rt: rt.wrap_group(group))()
+        return wrapped if wrapped is not None else group
+
+    for mod in (c10d, dist):
+        mod.init_process_group = init_process_group
+        mod.new_group = new_group
+    from . import inject
+
+    inject.arm(RUNTIME)
+    # DataLoader workers and other forks of a rank are not ranks.
+    os.register_at_fork(after_in_child=_child_is_not_a_rank)
+
+
+def _child_is_not_a_rank() -> None:
+    rt = RUNTIME
+    if rt is not None and not getattr(rt, "_forking_snapshot", False):
+        rt.disabled = True
+
+
+def _wrap_default(rt: RankRuntime) -> None:
+    real = c10d._world.default_pg
+    if real is None or isinstance(real, collectives.WatchedGroup):
+        return
+    w = collectives.wrap(real, rt)
+    rt.groups.append(w)
+    c10d._world.default_pg = w
+    rt.activate()
+
+
+def _wrap_group(rt: RankRuntime, group):
+    if not isinstance(group, dist.ProcessGroup) or isinstance(group, collectives.WatchedGroup):
+        return group
+    w = collectives.wrap(group, rt)
+    rt.groups.append(w)
+    return w
+
+
+RankRuntime.wrap_default_group = _wrap_default
+RankRuntime.wrap_group = _wrap_group
