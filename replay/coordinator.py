@@ -82,7 +82,7 @@ def handle_incident(rt, seq: int, info: dict) -> None:
             if snap in rt.snapshots:
                 rt.snapshots.remove(snap)
                 rt.retained = getattr(rt, "retained", []) + [snap]
-    if rt.policy != "observe":
+    if rt.policy != "observe" and info["kind"] != "replay_check":
         rt.steps_log.flush()
         rt.coll_log.flush()
         rt.seg.flush()
@@ -134,7 +134,9 @@ def make_plan(rt, info: dict, inc_dir: Path) -> dict:
     for a in arrivals[1:]:
         common &= set(a["snapshots"])
     v, why = None, "no snapshot before the failing step is held by every rank"
-    for cand in sorted((s for s in common if s < k), reverse=True):
+    # A failure replays the shortest window (newest snapshot); a replay check the longest.
+    newest_first = info["kind"] != "replay_check"
+    for cand in sorted((s for s in common if s < k), reverse=newest_first):
         sums = {steps[r].get(cand, {}).get("param_sum") for r in range(world)}
         if len(sums) == 1 and None not in sums:
             v = cand
@@ -249,6 +251,13 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
     exact = all(statuses[r] == "done" and all(s["match"] for s in results[r]["steps"].values())
                 and all(c["match"] for c in results[r]["colls"]) for r in range(world))
     stall = find_stall(rt, plan) if info["kind"] == "hang" else None
+    if info["kind"] == "replay_check":  # a healthy window replayed on request: no failure to classify
+        verdict["replay"] = {"reproduced": None, "exact": exact, "first_divergence": div or comm,
+                             "per_rank": None, "window_wall_s": plan.get("window_wall_s")}
+        verdict["replay"]["per_rank"] = {r: {"status": statuses[r], "steps": len(results[r].get("steps", {})),
+                                             "collectives": len(results[r].get("colls", [])),
+                                             "wall_s": replayed[r].get("wall_s")} for r in range(world)}
+        return verdict
     if info["kind"] == "hang":
         reproduced = bool(timed_out) or bool(div)
     else:

@@ -216,7 +216,7 @@ def supervise(listener: int, child_pid: int, log_path, inherited: list[int]) -> 
                 args = list(d.args)
                 val, err, flags, action = 0, 0, 0, "denied"
                 fd = args[0] & 0xFFFFFFFF
-                if name in ("write", "pwrite64") and fd in inherited_set:
+                if name in ("write", "pwrite64", "sendto") and fd in inherited_set:
                     val, action = args[2], "swallowed"
                 elif name in ("writev", "pwritev", "pwritev2") and fd in inherited_set:
                     val, action = _iov_total(notif.pid, args[1], args[2]), "swallowed"

@@ -106,6 +106,7 @@ class ForkSnapshot:
         if pid == 0:
             os.close(cmd_w)
             os.close(resp_r)
+            _drop_shared_endpoints(keep={cmd_r, resp_w})
             order, listener_w = _serve(rt, k, cmd_r, resp_w)
             _enter_replay(rt, order, listener_w)
             return None
@@ -235,6 +236,31 @@ def _serve(rt, k: int, cmd_r: int, resp_w: int):
             os.replace(order["reply"] + ".tmp", order["reply"])
         if not chunk:
             os._exit(0)
+
+
+def _drop_shared_endpoints(keep: set) -> None:
+    """Let go of the rank's sockets and pipes, keeping their numbers taken.
+
+    A snapshot holding a copy of a socket or pipe keeps it open: the peer
+    never sees the rank close it, and a reader waiting for EOF waits forever.
+    Each one is replaced by /dev/null under the same number, so code replayed
+    from this snapshot still finds its descriptors where it left them (and the
+    sandbox still traps every use of them)."""
+    import stat
+
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in keep or fd == null:
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue
+        if stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode):
+            cloexec = not os.get_inheritable(fd)
+            os.dup2(null, fd, inheritable=not cloexec)
+    os.close(null)
 
 
 def _reply(fd: int, msg: dict) -> None:

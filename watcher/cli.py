@@ -179,13 +179,14 @@ def run(
     snapshot_budget: float = typer.Option(1.0, help="Snapshot cost budget, percent of step time; sets the snapshot interval."),
     snapshot_interval: Optional[int] = typer.Option(None, help="Fixed snapshot interval in steps (overrides the budget)."),
     detect: list[str] = typer.Option([], help="Detector setting KEY=VALUE (repeatable), e.g. loss_spike_z=10, hang_seconds=60."),
+    replay_check: Optional[int] = typer.Option(None, help="At this step, replay the window on purpose and report whether it matches the record exactly."),
 ):
     """Run a training command with recording, in-rank capture, snapshots, detectors and replay."""
     from .run import RunConfig, parse_detect, run as run_job
 
     cfg = RunConfig(cmd=list(cmd), out=Path(out) if out else Path(f"watcher-run-{time.strftime('%Y%m%d-%H%M%S')}"),
                     policy=policy, snapshot_budget=snapshot_budget, snapshot_interval=snapshot_interval,
-                    detect=parse_detect(detect))
+                    detect=parse_detect(detect), replay_check=replay_check)
     result = run_job(cfg)
     print(f"Run directory {result.out}: {result.steps} steps recorded, {len(result.incidents)} incident(s). "
           f"Query: watcher sql {result.out / 'recording.duckdb'} \"SELECT * FROM step\"", file=sys.stderr)

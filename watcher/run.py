@@ -44,6 +44,7 @@ class RunConfig:
     snapshot_interval: int | None = None
     detect: dict = field(default_factory=dict)
     inject: dict | None = None          # drills only
+    replay_check: int | None = None     # replay the window ending at this step, healthy or not
     quiet: bool = False
 
     def validate(self) -> None:
@@ -66,6 +67,10 @@ class RunConfig:
         env["WATCHER_SNAPSHOT_BUDGET"] = str(self.snapshot_budget)
         if self.snapshot_interval:
             env["WATCHER_SNAPSHOT_INTERVAL"] = str(self.snapshot_interval)
+        if self.replay_check is not None:
+            env["WATCHER_REPLAY_CHECK"] = str(self.replay_check)
+        else:
+            env.pop("WATCHER_REPLAY_CHECK", None)
         if self.detect:
             env["WATCHER_DETECT"] = json.dumps(self.detect)
         if self.inject:
@@ -136,6 +141,13 @@ def run(cfg: RunConfig) -> RunResult:
 
 def describe(inc: dict) -> str:
     rep = inc.get("replay") or {}
+    if inc["kind"] == "replay_check":
+        w = inc.get("window") or {}
+        if w.get("from_step") is None:
+            return f"watcher: replay check at step {inc['detected_step']}: no snapshot to replay from"
+        return (f"watcher: replay check of steps {w['from_step'] + 1}..{w['to_step']}: "
+                + ("every step fingerprint and collective checksum matched the record" if rep.get("exact")
+                   else f"DIFFERS from the record (first divergence {rep.get('first_divergence')})"))
     div = rep.get("first_divergence")
     where = ""
     if div:

@@ -15,6 +15,7 @@ Scenarios (all take "rank" and "step"):
   nan_op            GELU outputs NaN whenever the batch has checksum `batch_sum` (persistent, data)
   bad_cores         a Linear's output is scaled by `factor` while the rank runs on CPUs `cpus` (persistent, device)
   segv              SIGSEGV at the start of `step` (persistent crash)
+  runtime_bug       an exception inside Watcher's own batch hook (tests fail-open)
 """
 
 from __future__ import annotations
@@ -107,5 +108,13 @@ def arm(rt) -> None:
                 return output * factor
             return None
         register_module_forward_hook(fwd)
+    elif kind == "runtime_bug":
+        # Not a training fault: an exception inside Watcher's own hook, to
+        # prove that Watcher then gets out of the way and training goes on.
+        def boom(rt_, batch):
+            if rt_.step + 1 == step and rt_.mode == "live":
+                raise RuntimeError("injected failure inside a Watcher hook")
+            return batch
+        rt.fault_hooks.append(("batch", boom))
     else:
         raise ValueError(f"unknown scenario {kind!r}")

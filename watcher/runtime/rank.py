@@ -69,6 +69,8 @@ class RankRuntime:
         self.replicated = None        # do all ranks hold identical parameters (DDP)?
         self.sdc_checked = -1
         self.replay = None            # replay.state.ReplayState in a replay child
+        # `watcher run --replay-check STEP`: replay a healthy window on purpose.
+        self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
         self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
         from ..analysis.detectors import Detectors
         from ..replay.snapshot import SnapshotPolicy
@@ -118,23 +120,35 @@ class RankRuntime:
             self.last_loss = tensor.detach()
 
     def next_batch(self, it, orig):
-        self.activate()
-        idx = self.fetch_idx
-        self.fetch_idx += 1
-        if self.mode == "replay":
+        """Called instead of DataLoader's __next__.  The user's iterator runs
+        unguarded (its errors are the user's); Watcher's parts are guarded."""
+        if self.disabled:
+            return orig(it)
+        try:
+            self.activate()
+            idx = self.fetch_idx
+            self.fetch_idx += 1
+            replaying = self.mode == "replay"
+        except Exception as e:
+            self.fail(e)
+            return orig(it)
+        if replaying:
             batch = self.replay.batch(idx, it, orig)
         else:
             try:
                 batch = orig(it)
             except StopIteration:
-                self.seg.put(("batch", idx, END_OF_DATA))
+                _guard(lambda rt: rt.seg.put(("batch", idx, END_OF_DATA)))()
                 raise
-        for stage, fn in self.fault_hooks:
-            if stage == "batch":
-                batch = fn(self, batch)
-        self.batch_sums.append(object_sum(batch))
-        if self.mode == "live":
-            self.seg.put(("batch", idx, batch))
+        try:
+            for stage, fn in self.fault_hooks:
+                if stage == "batch":
+                    batch = fn(self, batch)
+            self.batch_sums.append(object_sum(batch))
+            if self.mode == "live":
+                self.seg.put(("batch", idx, batch))
+        except Exception as e:
+            self.fail(e)
         return batch
 
     def before_collective(self, meta: dict) -> None:
@@ -247,6 +261,8 @@ class RankRuntime:
                 handle_incident(self, seq, info)
 
     def detect(self, fp: dict) -> dict | None:
+        if fp["step"] == self.replay_check_step and self.rank == 0:
+            return {"kind": "replay_check", "failing_step": fp["step"], "detail": None}
         hit = self.detectors.check_step(fp)
         if hit:
             return hit
@@ -378,11 +394,6 @@ def install() -> None:
         rt = RUNTIME
         if rt is None or rt.disabled:
             return orig_next(self)
-        try:
-            rt.activate()
-        except Exception as e:
-            rt.fail(e)
-            return orig_next(self)
         return rt.next_batch(self, orig_next)
 
     dataloader._BaseDataLoaderIter.__next__ = __next__
@@ -421,6 +432,8 @@ def _wrap_default(rt: RankRuntime) -> None:
     real = c10d._world.default_pg
     if real is None or isinstance(real, collectives.WatchedGroup):
         return
+    if not rt.active:  # launchers that set RANK only in the children (Lightning's rank 0)
+        rt.rank, rt.world = dist.get_rank(), dist.get_world_size()
     w = collectives.wrap(real, rt)
     rt.groups.append(w)
     c10d._world.default_pg = w
