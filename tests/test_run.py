@@ -1,0 +1,190 @@
+"""`watcher run` end to end: real torchrun and Lightning jobs (gloo, CPU), the real
+recorder, real fork snapshots and sandboxed replays.  Ground truth is what the
+jobs themselves produce: final-parameter hashes of runs without Watcher, exact
+step and collective counts, bytes received on the job's own sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, needs_bpf, query, watcher
+
+STEPS = 16
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+LIGHTNING = str(ROOT / "tests" / "workloads" / "lightning_train.py")
+CANARY = str(ROOT / "tests" / "workloads" / "canary.py")
+
+
+def reference(save: Path, steps: int = STEPS) -> list[str]:
+    return TORCHRUN + ["-m", "watcher.workloads.ddp_lm", f"--steps={steps}", f"--save={save}"]
+
+
+def plain(cmd: list[str], tmp: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("plain")
+    plain(reference(d / "p.pt"), d)
+    return (d / "p.pt.sha256").read_text()
+
+
+@needs_bpf
+def test_reference_job_is_bit_identical_and_fully_captured(tmp_path, plain_reference):
+    run = tmp_path / "run"
+    p = watcher("run", "--out", str(run), "--snapshot-interval", "4", "--", *reference(tmp_path / "w.pt"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "w.pt.sha256").read_text() == plain_reference
+    rec = run / "recording.duckdb"
+    # every rank, every step, once
+    assert query(rec, "SELECT rank, count(*), min(step), max(step) FROM step GROUP BY 1 ORDER BY 1") == \
+        [(0, STEPS, 0, STEPS - 1), (1, STEPS, 0, STEPS - 1)]
+    # DDP replicas: identical parameter checksums on both ranks at every step
+    assert query(rec, "SELECT count(DISTINCT step) FROM step GROUP BY step HAVING count(DISTINCT param_sum) > 1") == []
+    # one gradient allreduce per step per rank (one bucket), numbered alike on both ranks
+    per_step = query(rec, "SELECT rank, step, count(*) FROM collective_io WHERE op = 'allreduce' "
+                          "GROUP BY ALL ORDER BY ALL")
+    assert per_step == [(r, s, 1) for r in (0, 1) for s in range(STEPS)]
+    mismatched = query(rec, "SELECT a.seq FROM collective_io a JOIN collective_io b USING (group_name, seq) "
+                            "WHERE a.rank = 0 AND b.rank = 1 AND (a.op <> b.op OR a.out_sum <> b.out_sum)")
+    assert mismatched == []
+    # snapshots every 4 steps
+    assert query(rec, "SELECT DISTINCT step FROM step WHERE snapshot ORDER BY 1") == [(4,), (8,), (12,)]
+    assert query(rec, "SELECT count(*) FROM incident") == [(0,)]
+
+
+@needs_bpf
+def test_replay_of_a_healthy_window_matches_the_record_exactly(tmp_path):
+    run = tmp_path / "run"
+    p = watcher("run", "--out", str(run), "--snapshot-interval", "4", "--replay-check", "11", "--",
+                *reference(tmp_path / "w.pt"))
+    assert p.returncode == 0, p.stderr
+    inc = json.loads((run / "incidents" / "inc-0001.json").read_text())
+    assert inc["kind"] == "replay_check"
+    assert inc["window"] == {"from_step": 4, "to_step": 11}
+    assert inc["replay"]["exact"] is True
+    for r in ("0", "1"):
+        assert inc["replay"]["per_rank"][r]["status"] == "done"
+        assert inc["replay"]["per_rank"][r]["steps"] == 7           # steps 5..11
+        assert inc["replay"]["per_rank"][r]["collectives"] == 7     # one allreduce each
+    assert "matched the record" in p.stderr
+
+
+@needs_bpf
+def test_lightning_ddp_is_bit_identical_and_replays_exactly(tmp_path):
+    plain([sys.executable, LIGHTNING, "--steps", "20", "--save", str(tmp_path / "plain.sha")], tmp_path)
+    run = tmp_path / "run"
+    log = tmp_path / "metrics"
+    p = watcher("run", "--out", str(run), "--snapshot-interval", "4", "--replay-check", "13", "--",
+                sys.executable, LIGHTNING, "--steps", "20", "--save", str(tmp_path / "w.sha"), "--log", str(log))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "w.sha").read_text() == (tmp_path / "plain.sha").read_text()
+    rec = run / "recording.duckdb"
+    assert query(rec, "SELECT rank, count(*) FROM step GROUP BY 1 ORDER BY 1") == [(0, 20), (1, 20)]
+    inc = json.loads((run / "incidents" / "inc-0001.json").read_text())
+    assert inc["replay"]["exact"] is True and inc["window"] == {"from_step": 8, "to_step": 13}
+    # the replay re-ran the user's logging code, and none of it reached the file
+    for r in (0, 1):
+        assert len(Path(f"{log}.rank{r}").read_text().splitlines()) == 20
+    assert query(rec, "SELECT rank, count(*) FROM sandbox_event WHERE syscall = 'write' AND action = 'swallowed' "
+                      "GROUP BY 1 ORDER BY 1") == [(0, 5), (1, 5)]
+
+
+@needs_bpf
+def test_sandbox_canary_live_job_receives_nothing_from_a_replay(tmp_path):
+    run = tmp_path / "run"
+    result = tmp_path / "canary.json"
+    p = watcher("run", "--out", str(run), "--snapshot-interval", "4", "--replay-check", "11", "--",
+                sys.executable, CANARY, "--steps", "16", "--out", str(result))
+    assert p.returncode == 0, p.stderr
+    got = json.loads(result.read_text())
+    # exactly the live steps' traffic: 8 bytes, one line, one connection per step
+    assert got == {"bytes": 16 * 8, "lines": 16, "connections": 16, "steps": 16}
+    rows = query(run / "recording.duckdb",
+                 "SELECT syscall, action, count(*) FROM sandbox_event GROUP BY ALL ORDER BY ALL")
+    assert rows == [("sendto", "swallowed", 7), ("socket", "denied", 7), ("write", "swallowed", 7)]
+
+
+@needs_bpf
+def test_exception_inside_a_watcher_hook_leaves_training_correct(tmp_path, plain_reference):
+    from watcher.run import RunConfig, run
+
+    res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True,
+                        inject={"scenario": "runtime_bug", "rank": 1, "step": 5}))
+    assert res.exit_code == 0
+    assert (tmp_path / "w.pt.sha256").read_text() == plain_reference
+    err = (tmp_path / "run" / "runtime" / "rank1.error").read_text()
+    assert "injected failure inside a Watcher hook" in err
+    rec = tmp_path / "run" / "recording.duckdb"
+    # rank 1 stopped capturing at the failing step; rank 0 went on
+    assert query(rec, "SELECT rank, count(*) FROM step GROUP BY 1 ORDER BY 1") == [(0, STEPS), (1, 5)]
+
+
+@needs_bpf
+def test_killed_watcher_leaves_training_running_to_a_correct_finish(tmp_path, plain_reference):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "watcher.cli", "run", "--out", str(run), "--snapshot-interval", "4", "--",
+           *reference(tmp_path / "w.pt", steps=40)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    steps_log = run / "runtime" / "rank0.steps.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not steps_log.exists() or len(steps_log.read_text().splitlines()) < 5):
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    sha = tmp_path / "w.pt.sha256"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not sha.exists():
+        time.sleep(0.5)
+    plain_40 = tmp_path / "plain"
+    plain_40.mkdir()
+    plain(reference(plain_40 / "p.pt", steps=40), plain_40)
+    assert sha.read_text() == (plain_40 / "p.pt.sha256").read_text()
+    assert len(steps_log.read_text().splitlines()) == 40  # the runtime kept recording without the collector
+
+
+@needs_bpf
+def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
+    out = tmp_path / "drills.json"
+    p = watcher("drill", "--steps", "18", "--out", str(tmp_path / "d"), "--json", str(out), timeout=900)
+    card = json.loads(out.read_text())["scenarios"]
+    by = {row["scenario"]: row for row in card}
+    assert set(by) == {"grad_bitflip", "allreduce_corrupt", "stall", "nan_op", "lr_spike", "bad_cores", "segv"}
+    failed = [r for r in card if not r["pass"]]
+    assert not failed, f"{failed}\n{p.stdout}\n{p.stderr[-3000:]}"
+    assert p.returncode == 0
+    assert by["grad_bitflip"]["localised"] == "rank 1 step 12 allreduce compute"
+    assert by["allreduce_corrupt"]["localised"] == "rank 1 step 12 allreduce communication"
+    assert by["stall"]["localised"] == "rank 1 step 12 allreduce"
+    for name in ("grad_bitflip", "allreduce_corrupt", "stall"):
+        assert by[name]["classification"] == "transient"
+    for name in ("nan_op", "lr_spike", "bad_cores", "segv"):
+        assert by[name]["classification"] == "persistent"
+
+
+def test_run_rejects_bad_input_with_one_line(tmp_path):
+    cases = [
+        (["run", "--policy", "sometimes", "--", "true"], 2, "unknown --policy"),
+        (["run", "--snapshot-budget", "0", "--", "true"], 2, "--snapshot-budget"),
+        (["run", "--detect", "nonsense=1", "--", "true"], 2, "unknown detector setting"),
+        (["run", "--detect", "loss_spike_z", "--", "true"], 2, "KEY=VALUE"),
+        (["drill", "--scenario", "meteor"], 2, "unknown scenario"),
+    ]
+    for args, code, text in cases:
+        p = watcher(*args)
+        assert p.returncode == code, (args, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and text in lines[0], (args, p.stderr)
+    (tmp_path / "exists").mkdir()
+    p = watcher("run", "--out", str(tmp_path / "exists"), "--", "true")
+    assert p.returncode == 6 and "already exists" in p.stderr
