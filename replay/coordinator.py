@@ -37,8 +37,10 @@ def handle_incident(rt, seq: int, info: dict) -> None:
     inc_dir = rt.run_dir / "incidents" / info["incident_id"]
     inc_dir.mkdir(parents=True, exist_ok=True)
     t_halt = time.monotonic_ns()
+    rt.seg.flush()  # the replays and the verdict read every rank's window from disk
     write_json(inc_dir / f"arrive.rank{rt.rank}.json",
-               {"rank": rt.rank, "step": k, "snapshots": [s.step for s in rt.snapshots], "pid": os.getpid()})
+               {"rank": rt.rank, "step": k, "snapshots": [s.step for s in rt.snapshots], "pid": os.getpid(),
+                "unsupported": rt.unsupported})
     ctl.arrive(rt.rank, seq, k)
     _say(rt, f"incident {info['incident_id']} ({info['kind']} at step {info['failing_step']}, "
              f"rank {info['rank']}): halted at step {k}, replaying")
@@ -134,6 +136,9 @@ def make_plan(rt, info: dict, inc_dir: Path) -> dict:
     for a in arrivals[1:]:
         common &= set(a["snapshots"])
     v, why = None, "no snapshot before the failing step is held by every rank"
+    refused = [a["unsupported"] for a in arrivals if a.get("unsupported")]
+    if refused:
+        common, why = set(), refused[0]
     # A failure replays the shortest window (newest snapshot); a replay check the longest.
     newest_first = info["kind"] != "replay_check"
     for cand in sorted((s for s in common if s < k), reverse=newest_first):

@@ -188,3 +188,24 @@ def test_run_rejects_bad_input_with_one_line(tmp_path):
     (tmp_path / "exists").mkdir()
     p = watcher("run", "--out", str(tmp_path / "exists"), "--", "true")
     assert p.returncode == 6 and "already exists" in p.stderr
+
+
+@needs_bpf
+def test_user_collectives_and_subgroups_are_captured_and_replayed(tmp_path):
+    """No DDP: the user's own all_reduce on a new_group, broadcast and all_gather."""
+    script = str(ROOT / "tests" / "workloads" / "subgroups.py")
+    plain(TORCHRUN + [script, "--steps", "16", "--save", str(tmp_path / "plain.sha")], tmp_path)
+    run = tmp_path / "run"
+    p = watcher("run", "--out", str(run), "--snapshot-interval", "4", "--replay-check", "11", "--",
+                *TORCHRUN, script, "--steps", "16", "--save", str(tmp_path / "w.sha"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "w.sha").read_text() == (tmp_path / "plain.sha").read_text()
+    rec = run / "recording.duckdb"
+    # per step and rank: 4 gradient all_reduces on the subgroup, 1 broadcast and 1 all_gather on the default group
+    rows = query(rec, "SELECT rank, group_name = '0' AS default_group, op, count(*) FROM collective_io "
+                      "WHERE step BETWEEN 1 AND 15 GROUP BY ALL ORDER BY ALL")
+    assert rows == [(r, d, op, n * 15) for r in (0, 1)
+                    for d, op, n in ((False, "allreduce", 4), (True, "allgather", 1), (True, "broadcast", 1))]
+    inc = json.loads((run / "incidents" / "inc-0001.json").read_text())
+    assert inc["replay"]["exact"] is True
+    assert inc["replay"]["per_rank"]["0"]["collectives"] == 7 * 6

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from . import collectives
-from .checksum import object_sum, rng_digest, tensors_sum
+from .checksum import object_sum, params_sum, rng_digest, tensors_sum
 from .control import Control, read_json, write_json
 from .window import END_OF_DATA, SegmentWriter
 
@@ -69,6 +69,7 @@ class RankRuntime:
         self.replicated = None        # do all ranks hold identical parameters (DDP)?
         self.sdc_checked = -1
         self.replay = None            # replay.state.ReplayState in a replay child
+        self.unsupported = None       # why this rank cannot be replayed, if it cannot
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
         self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
@@ -164,11 +165,13 @@ class RankRuntime:
                 for stage, fn in self.fault_hooks:
                     if stage == "collective_output":
                         fn(self, meta, outs)
+                # Only what must happen before anyone reads the outputs: copy
+                # them and get them on disk (a crash replay needs them).  The
+                # checksum waits for the step end, off the critical path.
                 meta["dur"] = time.monotonic_ns() - meta["ts"]
                 copies = [o.detach().clone() for o in outs]
-                meta["out_sum"] = tensors_sum(copies)
                 self.seg.put(("coll", meta, copies))
-                self.done_colls.append(meta)
+                self.done_colls.append((meta, copies))
             except Exception as e:
                 self.fail(e)
 
@@ -220,7 +223,7 @@ class RankRuntime:
         bsums, self.batch_sums = self.batch_sums, []
         return {"step": k, "rank": self.rank, "ts": now,
                 "dur": now - self.last_end_ns if self.last_end_ns else None,
-                "loss": loss, "grad_norm": gn, "param_sum": tensors_sum(params),
+                "loss": loss, "grad_norm": gn, "param_sum": params_sum(params),
                 "batch_sum": _combine(bsums), "rng": rng_digest(), "n_coll": len(colls),
                 "_colls": colls}
 
@@ -233,7 +236,8 @@ class RankRuntime:
             if len(self.step_ns) > 64:
                 del self.step_ns[:32]
         self.last_end_ns = fp["ts"]
-        for meta in colls:
+        for meta, copies in colls:
+            meta["out_sum"] = tensors_sum(copies)
             self.coll_log.write(json.dumps(meta) + "\n")
         fp["snapshot"] = False
         self.ctl.beacon(self.rank, k, fp["param_sum"])
@@ -242,16 +246,22 @@ class RankRuntime:
             incident.update(rank=self.rank, halt_step=k + 1, detected_ts=fp["ts"])
             self.ctl.open_incident(incident)
         open_incident = self.ctl.incident_seq > self.handled_seq
-        if not open_incident and self.snap_policy.due(k, self):
+        if not open_incident and self.unsupported is None and self.snap_policy.due(k, self):
             self.take_snapshot(k)
             if self.mode != "live":
                 return  # a replay child, woken from this snapshot: back to the training loop
             fp["snapshot"] = True
+            snap = self.snapshots[-1]
+            fp["fork_ms"] = round(snap.fork_ns / 1e6, 3)
+            fp["snapshot_interval"] = self.snap_policy.interval
+            if len(self.snapshots) > 1:
+                # What the previous snapshot cost in memory over one interval:
+                # the pages the rank rewrote since, now private to the snapshot.
+                fp["prev_snapshot_private_mb"] = _private_mb(self.snapshots[-2].pid)
         self.seg.put(("step", fp))
         self.steps_log.write(json.dumps(fp) + "\n")
         self.steps_log.flush()
         self.coll_log.flush()
-        self.seg.flush()
         if open_incident:
             seq = self.ctl.incident_seq
             info = self.ctl.incident(seq)
@@ -332,6 +342,15 @@ class RankRuntime:
         for s in self.snapshots + getattr(self, "retained", []):
             s.release()
         self.snapshots = []
+
+
+def _private_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            kb = sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean", "Private_Dirty")))
+        return round(kb / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _done_later(fut):
@@ -415,11 +434,42 @@ def install() -> None:
     for mod in (c10d, dist):
         mod.init_process_group = init_process_group
         mod.new_group = new_group
+    _refuse_functional_collectives()
     from . import inject
 
     inject.arm(RUNTIME)
     # DataLoader workers and other forks of a rank are not ranks.
     os.register_at_fork(after_in_child=_child_is_not_a_rank)
+
+
+FUNCTIONAL = ("all_reduce", "all_reduce_coalesced", "all_gather_tensor", "all_gather_tensor_autograd",
+              "all_gather_into_tensor_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd",
+              "reduce_scatter_tensor_coalesced", "all_to_all_single", "all_to_all_single_autograd", "broadcast",
+              "permute_tensor")
+
+
+def _refuse_functional_collectives() -> None:
+    """Functional collectives (FSDP2, DTensor, torch.compile) look their group
+    up by name in C++, past the wrapper, so a replay could not answer them.
+    Say so once and turn replay off for the rank, rather than replay wrongly."""
+    try:
+        import torch.distributed._functional_collectives as funcol
+    except Exception:
+        return
+    for name in FUNCTIONAL:
+        real = getattr(funcol, name, None)
+        if real is None:
+            continue
+
+        def refused(*args, _real=real, _name=name, **kwargs):
+            rt = RUNTIME
+            if rt is not None and not rt.disabled and rt.unsupported is None:
+                rt.unsupported = (f"functional collectives ({_name}) bypass Watcher's process-group wrapper; "
+                                  "recording goes on, snapshots and replay are off for this run")
+                print(f"watcher: rank {rt.rank}: {rt.unsupported}", file=sys.stderr, flush=True)
+                rt.close()
+            return _real(*args, **kwargs)
+        setattr(funcol, name, refused)
 
 
 def _child_is_not_a_rank() -> None:

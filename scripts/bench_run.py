@@ -1,0 +1,133 @@
+"""`just bench run`: what `watcher run` costs, measured side by side in one run.
+
+1. Overhead: the reference workload (2-rank DDP, gloo, CPU) launched in
+   alternating pairs, plain torchrun then `watcher run` with default settings
+   (recorder, runtime, adaptive snapshots at the default 1% budget).  Per job:
+   median step time over the steady part (steps after the first 10).
+   Reported: median, worst and best over pairs of (watcher / plain).
+2. Snapshot cost: a run with a fixed interval of 8 steps: fork ms, the
+   memory each snapshot came to hold over one interval (pages the rank
+   rewrote), and the interval the default budget chose in the overhead runs.
+3. Replay time: a replay check of the longest retained window, against the
+   time the same steps took live.
+
+Prints a table and writes bench-results/run.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_recorder import print_table, read_steps  # noqa: E402
+
+WARMUP = 10
+
+
+def job(steps: int, times: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "watcher.workloads.ddp_lm", f"--steps={steps}", f"--step-times={times}"]
+
+
+def steady_median_ms(times: Path) -> float:
+    rows = [r for r in read_steps(times) if r["step"] >= WARMUP]
+    return statistics.median(r["ns"] for r in rows) / 1e6
+
+
+def watcher_run(out: Path, cmd: list[str], *extra: str) -> None:
+    subprocess.run([sys.executable, "-m", "watcher.cli", "run", "--out", str(out), *extra, "--", *cmd],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def runtime_steps(run_dir: Path) -> list[dict]:
+    out = []
+    for f in sorted((run_dir / "runtime").glob("rank*.steps.jsonl")):
+        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return out
+
+
+def bench_overhead(tmp: Path, pairs: int, steps: int) -> dict:
+    env_note = dict(os.environ, OMP_NUM_THREADS="1")
+    ratios, plain_ms, watch_ms, intervals, forks = [], [], [], [], []
+    for i in range(pairs):
+        t_plain = tmp / f"plain{i}" / "t"
+        t_plain.parent.mkdir()
+        subprocess.run(job(steps, t_plain), check=True, cwd=ROOT, env=env_note,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run_dir = tmp / f"run{i}"
+        t_watch = tmp / f"times{i}" / "t"
+        t_watch.parent.mkdir()
+        watcher_run(run_dir, job(steps, t_watch))
+        p, w = steady_median_ms(t_plain), steady_median_ms(t_watch)
+        plain_ms.append(p)
+        watch_ms.append(w)
+        ratios.append(w / p)
+        snaps = [s for s in runtime_steps(run_dir) if s.get("snapshot")]
+        forks += [s["fork_ms"] for s in snaps]
+        intervals += [s.get("snapshot_interval") for s in snaps]
+        print(f"pair {i}: plain {p:.2f} ms  watcher {w:.2f} ms  ratio {w / p:.3f}  snapshots {len(snaps)}",
+              file=sys.stderr, flush=True)
+    return {"pairs": pairs, "steps": steps, "ratios": ratios, "median_ratio": statistics.median(ratios),
+            "worst_ratio": max(ratios), "best_ratio": min(ratios), "plain_ms": plain_ms, "watcher_ms": watch_ms,
+            "default_snapshots_per_job": len(forks) / max(pairs, 1) / 2, "default_fork_ms": forks,
+            "default_interval_after_first": [i for i in intervals if i]}
+
+
+def bench_snapshots_and_replay(tmp: Path, steps: int) -> dict:
+    run_dir = tmp / "snap"
+    check = steps - 3
+    watcher_run(run_dir, job(steps, tmp / "snap-times"), "--snapshot-interval", "8", "--replay-check", str(check))
+    snaps = [s for s in runtime_steps(run_dir) if s.get("snapshot")]
+    inc = json.loads((run_dir / "incidents" / "inc-0001.json").read_text())
+    w = inc["window"]
+    live_s = sum(s["dur"] for s in runtime_steps(run_dir)
+                 if s["rank"] == 0 and w["from_step"] < s["step"] <= w["to_step"]) / 1e9
+    replay_s = [inc["replay"]["per_rank"][r]["wall_s"] for r in sorted(inc["replay"]["per_rank"])]
+    return {"fork_ms": [s["fork_ms"] for s in snaps],
+            "median_fork_ms": statistics.median(s["fork_ms"] for s in snaps),
+            "snapshot_private_mb": [s["prev_snapshot_private_mb"] for s in snaps if s.get("prev_snapshot_private_mb")],
+            "replay_window": w, "replay_steps": w["to_step"] - w["from_step"], "replay_exact": inc["replay"]["exact"],
+            "replay_wall_s": replay_s, "live_window_s": round(live_s, 3),
+            "replay_over_live": round(max(replay_s) / live_s, 2) if live_s else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--out", default=str(ROOT / "bench-results" / "run.json"))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="watcher-bench-run-") as d:
+        tmp = Path(d)
+        over = bench_overhead(tmp, args.pairs, args.steps)
+        snap = bench_snapshots_and_replay(tmp, 64)
+    result = {"overhead": over, "snapshots_and_replay": snap, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    Path(args.out).parent.mkdir(exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    rows = [
+        ("step-time ratio, median", f"{over['median_ratio']:.3f}", f"{args.pairs} pairs; target <=1.05, goal 1.02"),
+        ("step-time ratio, worst", f"{over['worst_ratio']:.3f}", f"best {over['best_ratio']:.3f}"),
+        ("plain step, median ms", f"{statistics.median(over['plain_ms']):.2f}", ""),
+        ("snapshots per rank-job (default)", f"{over['default_snapshots_per_job']:.1f}",
+         f"interval chosen {sorted(set(over['default_interval_after_first']))}"),
+        ("fork ms, median", f"{snap['median_fork_ms']:.1f}", f"all {snap['fork_ms']}"),
+        ("snapshot private MB / 8 steps", f"{statistics.median(snap['snapshot_private_mb'] or [0]):.1f}",
+         "pages the rank rewrote since the fork"),
+        ("replay wall s / live s", f"{max(snap['replay_wall_s']):.2f} / {snap['live_window_s']:.2f}",
+         f"{snap['replay_steps']} steps, exact={snap['replay_exact']}"),
+    ]
+    print_table(rows, "note")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
