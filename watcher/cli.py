@@ -219,12 +219,12 @@ def schema(markdown: bool = typer.Option(True, help="Print docs/schema.md.")):
 @app.command()
 def demo(
     steps: int = typer.Option(30, help="Training steps of the reference workload."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Recording file."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Run directory (created)."),
 ):
-    """Record the bundled reference workload (2-rank DDP over gloo) and show what was captured."""
+    """`watcher run` on the bundled reference workload (2-rank DDP over gloo), with a replay check; show what was captured."""
     from .demo import run_demo
 
-    raise typer.Exit(run_demo(steps, Path(out) if out else _default_out("demo")))
+    raise typer.Exit(run_demo(steps, Path(out) if out else Path(f"watcher-demo-{time.strftime('%Y%m%d-%H%M%S')}")))
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""`watcher demo`: record the bundled reference workload (2-rank DDP over gloo
-on CPU) and show what a recording answers."""
+"""`watcher demo`: `watcher run` on the bundled reference workload (2-rank DDP
+over gloo on CPU), with a replay check near the end, then what the recording
+answers."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ import sys
 from pathlib import Path
 
 from .query import format_rows, summarise
-from .session import Session, SessionConfig
 from .store import Recordings
 
 SAMPLE_QUERY = """\
-SELECT p.rank, s.name, count(*) AS calls, sum(s.dur) / 1e6 AS ms
-FROM syscall s JOIN process p USING (upid)
-WHERE p.rank IS NOT NULL
-GROUP BY ALL ORDER BY ms DESC LIMIT 8"""
+SELECT s.rank, count(*) AS steps, round(min(s.loss), 3) AS best_loss,
+       round(median(s.dur) / 1e6, 1) AS median_step_ms, count(*) FILTER (WHERE s.snapshot) AS snapshots,
+       (SELECT count(*) FROM collective_io c WHERE c.rank = s.rank) AS collectives
+FROM step s GROUP BY 1 ORDER BY 1"""
 
 
 def reference_command(steps: int, nproc: int = 2) -> list[str]:
@@ -23,12 +23,16 @@ def reference_command(steps: int, nproc: int = 2) -> list[str]:
 
 
 def run_demo(steps: int, out: Path) -> int:
-    result = Session(SessionConfig(out=out)).record(reference_command(steps))
-    with Recordings([result.out]) as recs:
+    from .run import RunConfig, run
+
+    result = run(RunConfig(cmd=reference_command(steps), out=out, policy="observe",
+                           replay_check=max(steps - 3, 1)))
+    rec = result.out / "recording.duckdb"
+    with Recordings([rec]) as recs:
         print(summarise(recs))
-        print("Sample query: time in syscalls per rank\n")
+        print("Per rank, from the runtime's step capture:\n")
         print(SAMPLE_QUERY + "\n")
         cols, rows = recs.query(SAMPLE_QUERY)
         print(format_rows(cols, rows, "table"))
-    print(f"Query it yourself: watcher sql {result.out} \"SELECT * FROM top_syscall\"")
-    return result.target_exit or 0
+    print(f"Query it yourself: watcher sql {rec} \"SELECT * FROM incident\"")
+    return result.exit_code
