@@ -32,7 +32,7 @@ MUST_AGREE = {"allreduce", "allreduce_coalesced", "broadcast", "allgather", "_al
 WAIT_S = float(os.environ.get("WATCHER_INCIDENT_WAIT", "600"))
 
 
-def handle_incident(rt, seq: int, info: dict) -> None:
+def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
     ctl, k = rt.ctl, rt.step
     inc_dir = rt.run_dir / "incidents" / info["incident_id"]
     inc_dir.mkdir(parents=True, exist_ok=True)
@@ -46,7 +46,9 @@ def handle_incident(rt, seq: int, info: dict) -> None:
              f"rank {info['rank']}): halted at step {k}, replaying")
     verdict = None
     try:
-        ctl.wait(lambda: all(ctl.arrived(r)[0] == seq for r in range(rt.world)), WAIT_S, "every rank to halt")
+        # At exit a peer that died first never arrives: do not hold the exit long.
+        ctl.wait(lambda: all(ctl.arrived(r)[0] == seq for r in range(rt.world)), 30 if final else WAIT_S,
+                 "every rank to halt")
         if rt.rank == 0:
             plan = make_plan(rt, info, inc_dir)
             write_json(inc_dir / "plan.json", plan)
@@ -84,7 +86,7 @@ def handle_incident(rt, seq: int, info: dict) -> None:
             if snap in rt.snapshots:
                 rt.snapshots.remove(snap)
                 rt.retained = getattr(rt, "retained", []) + [snap]
-    if rt.policy != "observe" and info["kind"] != "replay_check":
+    if rt.policy != "observe" and info["kind"] != "replay_check" and not final:
         rt.steps_log.flush()
         rt.coll_log.flush()
         rt.seg.flush()

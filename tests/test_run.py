@@ -209,3 +209,20 @@ def test_user_collectives_and_subgroups_are_captured_and_replayed(tmp_path):
     inc = json.loads((run / "incidents" / "inc-0001.json").read_text())
     assert inc["replay"]["exact"] is True
     assert inc["replay"]["per_rank"]["0"]["collectives"] == 7 * 6
+
+
+@needs_bpf
+def test_incident_in_the_last_step_is_replayed_at_exit(tmp_path):
+    """Detected at the final step: the halt step never comes, so the ranks
+    handle the incident when the training loop is over, at exit."""
+    from watcher.run import RunConfig, run
+
+    res = run(RunConfig(cmd=reference(tmp_path / "w.pt", steps=13), out=tmp_path / "run", quiet=True,
+                        policy="recover", snapshot_interval=4,
+                        inject={"scenario": "grad_bitflip", "rank": 1, "step": 12}))
+    assert res.exit_code == 0  # at exit, the run is over anyway: nothing is stopped
+    (inc,) = res.incidents
+    assert inc["kind"] == "non_finite" and inc["detected_step"] == 12
+    assert inc["classification"] == "transient" and inc["transient_cause"] == "bit_flip"
+    d = inc["replay"]["first_divergence"]
+    assert (d["rank"], d["step"], d["where"]) == (1, 12, "compute")

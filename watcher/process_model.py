@@ -31,6 +31,7 @@ class ProcessRow:
     local_rank: int | None = None
     world_size: int | None = None
     threads: list[int] = field(default_factory=list)
+    execd: bool = False  # ran exec since the fork (else it is a copy of its parent)
 
 
 @dataclass
@@ -206,6 +207,7 @@ class ProcessModel:
                 argv = [a for a in argv if a]
                 if argv:
                     p.cmdline = " ".join(argv)
+                p.execd = True
                 if p.rank is None:
                     _set_ranks(p)
                 self.dirty = True
@@ -240,5 +242,10 @@ class ProcessModel:
                     self.dirty = True
         for p in self.processes:
             if p.end_ts is None and p.rank is None and p.start_ts is not None:
+                # A fork of a rank that did not exec (DataLoader worker, Watcher
+                # snapshot) shares the rank's environment but is not a rank.
+                parent = self.processes[p.parent_upid] if p.parent_upid is not None else None
+                if parent is not None and parent.rank is not None and not p.execd:
+                    continue
                 if _set_ranks(p):
                     self.dirty = True

@@ -109,14 +109,19 @@ def parse_detect(items: list[str]) -> dict:
 
 def run(cfg: RunConfig) -> RunResult:
     cfg.validate()
+    from .privileges import require_bcc, require_bpf_privileges
+    from .runtime.control import Control
     from .session import Session, SessionConfig
 
+    require_bcc()  # before anything is created: a refused run leaves nothing behind
+    require_bpf_privileges()
     if cfg.out.exists():
         raise RecordingError(f"{cfg.out} already exists; choose another --out or remove it")
     try:
         cfg.out.mkdir(mode=0o700, parents=True)
         (cfg.out / "runtime").mkdir()
         (cfg.out / "incidents").mkdir()
+        Control(cfg.out / "runtime")  # initialised before any rank can race to create it
     except OSError as e:
         raise RecordingError(f"cannot create {cfg.out}: {e.strerror}") from None
     # Snapshots of a crashed rank are orphaned; as subreaper we get them, not init.
@@ -129,6 +134,7 @@ def run(cfg: RunConfig) -> RunResult:
         if status:
             status.stop()
     _crash_incident(cfg)
+    _unfinished_incidents(cfg.out)
     incidents = ingest(cfg.out)
     steps = _count_steps(cfg.out)
     code = result.target_exit or 0
@@ -290,6 +296,39 @@ def _crash_replay(out: Path, rank: int, snap_step: int, to_step: int, inc_dir: P
             "replayed_steps": sorted(result.get("steps", {})) if result else None,
             "first_divergence": result.get("first_divergence") if result else None,
             "from_step": snap_step, "wait_status": status}
+
+
+def _unfinished_incidents(out: Path) -> None:
+    """Incidents opened by a rank whose peers never reached the halt step (a
+    hang that did not resolve, a rank killed meanwhile): written without a
+    replay, with the recorder's view of where each rank was blocked."""
+    import glob
+
+    for p in sorted(glob.glob(str(out / "runtime" / "incident.*.json"))):
+        with open(p) as f:
+            info = json.load(f)
+        final = out / "incidents" / f"{info['incident_id']}.json"
+        if final.exists():
+            continue
+        blocked = None
+        try:
+            from .analysis.incidents import analyze_hang
+            from .store import Recordings
+
+            with Recordings([out / "recording.duckdb"]) as recs:
+                blocked = analyze_hang(recs)
+        except Exception as e:  # the analysis is a bonus; the incident is written regardless
+            blocked = {"error": str(e)}
+        write_json(final, {
+            "incident_id": info["incident_id"], "kind": info["kind"], "detected_step": info["failing_step"],
+            "detected_rank": info["rank"], "detected_ts": info["detected_ts"], "detail": info.get("detail"),
+            "window": {"from_step": None, "to_step": info["failing_step"]},
+            "replay": {"reproduced": None, "first_divergence": None,
+                       "reason": info.get("unsupported") or
+                       "the ranks never reached the halt step, so no window could be replayed"},
+            "classification": None, "track": None, "transient_cause": None, "attribution": None,
+            "causal_chain": None, "prescription": None, "recovered": False, "resumed_at_step": None,
+            "steps_lost": None, "snapshot": None, "recorder_view": blocked})
 
 
 def _reap_orphans() -> None:

@@ -95,6 +95,7 @@ class WatchedGroup(dist.ProcessGroup):
         if rt.mode == "replay":
             return rt.replay.collective(rt, meta, ins, outs)
         rt.before_collective(meta)
+        rt.in_flight += 1
         work = getattr(self.inner, op)(*args)
         if any(stage == "collective_output" for stage, _ in rt.fault_hooks):
             # Drills corrupting an output must do it before anyone reads it:

@@ -70,6 +70,8 @@ class RankRuntime:
         self.sdc_checked = -1
         self.replay = None            # replay.state.ReplayState in a replay child
         self.unsupported = None       # why this rank cannot be replayed, if it cannot
+        self.in_flight = 0            # collectives issued and not completed
+        self.exiting = False
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
         self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
@@ -109,11 +111,16 @@ class RankRuntime:
         self.seg = SegmentWriter(self.dir, self.rank)
         self.seg.start(-1)
         self.handled_seq = self.ctl.incident_seq
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        if local_world != self.world and self.unsupported is None:
+            # The control block is per node; halting across nodes is not built.
+            self.unsupported = (f"multi-node job ({self.world} ranks, {local_world} on this node): capture "
+                                "and detection go on; snapshots and replay are off")
         self.watchdog = threading.Thread(target=self._watchdog, name="watcher-watchdog", daemon=True)
         self.watchdog.start()
         # A normal exit lets the snapshots go at once; after a crash they
         # outlive the rank briefly, for a crash replay.
-        atexit.register(self.close)
+        atexit.register(self.at_exit)
 
     # -- hooks (called from patched torch entry points) -------------------------------------
     def on_backward(self, tensor: torch.Tensor) -> None:
@@ -169,6 +176,7 @@ class RankRuntime:
                 # them and get them on disk (a crash replay needs them).  The
                 # checksum waits for the step end, off the critical path.
                 meta["dur"] = time.monotonic_ns() - meta["ts"]
+                self.in_flight -= 1
                 copies = [o.detach().clone() for o in outs]
                 self.seg.put(("coll", meta, copies))
                 self.done_colls.append((meta, copies))
@@ -243,7 +251,7 @@ class RankRuntime:
         self.ctl.beacon(self.rank, k, fp["param_sum"])
         incident = self.detect(fp)
         if incident:
-            incident.update(rank=self.rank, halt_step=k + 1, detected_ts=fp["ts"])
+            incident.update(rank=self.rank, halt_step=k + 1, detected_ts=fp["ts"], unsupported=self.unsupported)
             self.ctl.open_incident(incident)
         open_incident = self.ctl.incident_seq > self.handled_seq
         if not open_incident and self.unsupported is None and self.snap_policy.due(k, self):
@@ -265,7 +273,9 @@ class RankRuntime:
         if open_incident:
             seq = self.ctl.incident_seq
             info = self.ctl.incident(seq)
-            if k >= info["halt_step"]:
+            if self.unsupported or info.get("unsupported"):
+                self.handled_seq = seq  # recorded, not replayed: `watcher run` writes it up
+            elif k >= info["halt_step"]:
                 from ..replay.coordinator import handle_incident
 
                 handle_incident(self, seq, info)
@@ -327,7 +337,10 @@ class RankRuntime:
                     continue
                 limit = self.detectors.hang_limit_s(sorted(self.step_ns)[len(self.step_ns) // 2] / 1e9)
                 stalled = (time.monotonic_ns() - self.last_end_ns) / 1e9
-                if stalled > limit and self.ctl.incident_seq == self.handled_seq:
+                # A long evaluation or checkpoint between steps is not a hang;
+                # a rank waiting inside a collective is.
+                waiting = self.in_flight > 0 or not self.groups
+                if stalled > limit and waiting and not self.exiting and self.ctl.incident_seq == self.handled_seq:
                     ends = [self.ctl.latest_step(r) for r in range(self.world)]
                     self.ctl.open_incident({
                         "kind": "hang", "rank": self.rank, "failing_step": max(ends) + 1,
@@ -337,6 +350,23 @@ class RankRuntime:
             except Exception as e:
                 self.fail(e)
                 return
+
+    def at_exit(self) -> None:
+        """The training loop is over.  An incident opened in its last steps,
+        whose halt step never came, is handled now, at this final boundary."""
+        self.exiting = True
+        if self.disabled or self.mode != "live":
+            return
+        try:
+            seq = self.ctl.incident_seq
+            if seq > self.handled_seq:
+                from ..replay.coordinator import handle_incident
+
+                handle_incident(self, seq, self.ctl.incident(seq), final=True)
+        except Exception as e:
+            self.fail(e)
+        finally:
+            self.close()
 
     def close(self) -> None:
         for s in self.snapshots + getattr(self, "retained", []):
