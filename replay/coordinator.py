@@ -190,7 +190,7 @@ def communication_check(rt, plan: dict, results: list[dict]) -> dict | None:
         if any(i is None for i in ins):
             continue
         if windows is None:
-            windows = [Window.load(segment_paths(rt.dir, r, plan["from_step"])) for r in range(world)]
+            windows = [Window.load(segment_paths(rt.window_dir, r, plan["from_step"])) for r in range(world)]
         meta = windows[0].colls.get(key, {})
         if meta.get("op") not in ("allreduce", "allreduce_coalesced"):
             continue
@@ -264,6 +264,14 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
         verdict["replay"]["per_rank"] = {r: {"status": statuses[r], "steps": len(results[r].get("steps", {})),
                                              "collectives": len(results[r].get("colls", [])),
                                              "wall_s": replayed[r].get("wall_s")} for r in range(world)}
+        return verdict
+    incomplete = [r for r in range(world) if statuses[r] != "done" and r not in timed_out]
+    if incomplete and info["kind"] != "hang":
+        # A replay that could not finish proves nothing either way.
+        verdict["replay"] = {"reproduced": None, "exact": False, "first_divergence": div,
+                             "reason": "; ".join(f"rank {r}: {statuses[r]}"
+                                                 + (f" ({(results[r].get('error') or '').strip().splitlines()[-1]})"
+                                                    if results[r].get("error") else "") for r in incomplete)}
         return verdict
     if info["kind"] == "hang":
         reproduced = bool(timed_out) or bool(div)

@@ -321,7 +321,7 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
 
     libc = ctypes.CDLL(None)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    window = Window.load(segment_paths(rt.dir, rt.rank, rt.step))
+    window = Window.load(segment_paths(rt.window_dir, rt.rank, rt.step))
     result = open(order["result"], "wb")
     log_fd = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     sys.stdout.flush()

@@ -2,7 +2,8 @@
 
     DIR/recording.duckdb     the eBPF recording, plus the runtime's tables
                              (step, collective_io, incident, sandbox_event)
-    DIR/runtime/             per-rank step and collective logs, replay window segments
+    DIR/runtime/             per-rank step and collective logs, the control block
+    /dev/shm/watcher-window-*  replay window segments while the job runs (tmpfs)
     DIR/incidents/<id>.json  one document per incident, with its replay verdict
 
 The runtime reaches every Python rank through a sitecustomize put first on
@@ -16,8 +17,10 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -128,14 +131,21 @@ def run(cfg: RunConfig) -> RunResult:
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     session = Session(SessionConfig(out=cfg.out / "recording.duckdb", quiet=cfg.quiet))
     status = _StatusLine(cfg.out) if sys.stderr.isatty() and not cfg.quiet else None
+    window_dir = _window_dir(cfg.out)
+    env = cfg.env()
+    env["WATCHER_WINDOW_DIR"] = str(window_dir)
     try:
-        result = session.record(list(cfg.cmd), env=cfg.env())
+        try:
+            result = session.record(list(cfg.cmd), env=env)
+        finally:
+            if status:
+                status.stop()
+        _crash_incident(cfg)
+        _unfinished_incidents(cfg.out)
+        incidents = ingest(cfg.out)
     finally:
-        if status:
-            status.stop()
-    _crash_incident(cfg)
-    _unfinished_incidents(cfg.out)
-    incidents = ingest(cfg.out)
+        if window_dir != cfg.out / "runtime":
+            shutil.rmtree(window_dir, ignore_errors=True)
     steps = _count_steps(cfg.out)
     code = result.target_exit or 0
     if not cfg.quiet:
@@ -143,6 +153,14 @@ def run(cfg: RunConfig) -> RunResult:
             print(describe(inc), file=sys.stderr)
     _reap_orphans()
     return RunResult(cfg.out, code, incidents, steps)
+
+
+def _window_dir(out: Path) -> Path:
+    """Replay windows go to tmpfs (/dev/shm) when there is one: no disk writeback."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return Path(tempfile.mkdtemp(prefix=f"watcher-window-{out.name}-", dir=shm))
+    return out / "runtime"
 
 
 def describe(inc: dict) -> str:

@@ -73,7 +73,7 @@ class WatchedGroup(dist.ProcessGroup):
 
     def _call(self, op: str, args: tuple):
         rt = self.rt
-        if rt.disabled:
+        if rt.disabled or (rt.mode == "live" and rt.is_paused()):
             return getattr(self.inner, op)(*args)
         try:
             ins, outs = _SIGNATURES[op](args)

@@ -5,7 +5,7 @@ its own slot of a small shared mmap, and reads one word to learn whether an
 incident is open.  Cold path (an incident): small JSON files written with an
 atomic rename, so a reader never sees half a file.
 
-    header  magic | incident_seq | plan_seq | verdict_seq
+    header  magic | incident_seq | plan_seq | verdict_seq | paused
     slot r  arrived_seq | arrived_step | ring of RING (step, param_sum)
 
 One control file per node: ranks of a multi-node job see only their own
@@ -75,6 +75,9 @@ class Control:
     incident_seq = property(lambda self: self._get(1))
     plan_seq = property(lambda self: self._get(2), lambda self, v: self._set(2, v))
     verdict_seq = property(lambda self: self._get(3), lambda self, v: self._set(3, v))
+    # Measurement switch for `just bench run`: while set, the runtime does
+    # nothing but count steps (and the run can no longer be replayed).
+    paused = property(lambda self: self._get(4), lambda self, v: self._set(4, v))
 
     # -- per-rank beacons ------------------------------------------------------------
     def beacon(self, rank: int, step: int, param_sum: int) -> None:

@@ -22,7 +22,7 @@ import torch
 
 
 class SegmentWriter:
-    def __init__(self, directory: Path, rank: int):
+    def __init__(self, directory: Path, rank: int, max_bytes: int = 4 << 30):
         self.dir = Path(directory)
         self.rank = rank
         self.fd = None
@@ -32,6 +32,10 @@ class SegmentWriter:
         self.queue: collections.deque = collections.deque()
         self.thread = None
         self.pending_writes = 0
+        self.max_bytes = max_bytes
+        self.bytes = 0             # in the segments still kept
+        self.sizes: dict = {}      # segment path -> bytes
+        self.truncated = False
         self.segments: list[tuple[int, Path]] = []  # (from_step, path), oldest first
 
     def start(self, from_step: int) -> None:
@@ -42,18 +46,29 @@ class SegmentWriter:
                 os.close(self.fd)
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             self.segments.append((from_step, path))
+            self.truncated = False
 
     def put(self, record: tuple) -> None:
         """Queue a record; a writer thread writes it (os.writev releases the
         GIL, so training does not wait for the copy into the page cache).  A
         rank that crashes loses at most the records still queued."""
+        if self.fd is None:
+            return
         parts = encode(record)
+        size = sum(len(p) for p in parts)
         with self.lock:
             if self.fd is None:
                 return
+            if self.bytes + size > self.max_bytes:
+                # The window outgrew its cap (snapshots too rare for this much
+                # data): stop here; a replay will say its record ran out.
+                self.truncated = True
+                return
+            self.bytes += size
             if self.thread is None:
                 self.thread = threading.Thread(target=self._write_loop, name="watcher-window", daemon=True)
                 self.thread.start()
+            self.sizes[self.segments[-1][1]] = self.sizes.get(self.segments[-1][1], 0) + size
             self.queue.append((self.fd, parts))
             self.wake.notify()
 
@@ -87,6 +102,8 @@ class SegmentWriter:
                     os.unlink(p)
                 except OSError:
                     pass
+                with self.lock:
+                    self.bytes -= self.sizes.pop(p, 0)
             else:
                 keep.append((s, p))
         self.segments = keep
