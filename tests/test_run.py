@@ -132,7 +132,8 @@ def test_exception_inside_a_watcher_hook_leaves_training_correct(tmp_path, plain
 
 @needs_bpf
 def test_killed_watcher_leaves_training_running_to_a_correct_finish(tmp_path, plain_reference):
-    run = tmp_path / "run"
+    run = tmp_path / "killed-run"
+    started = time.time() - 1
     cmd = [sys.executable, "-m", "watcher.cli", "run", "--out", str(run), "--snapshot-interval", "4", "--",
            *reference(tmp_path / "w.pt", steps=40)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -151,6 +152,10 @@ def test_killed_watcher_leaves_training_running_to_a_correct_finish(tmp_path, pl
     plain(reference(plain_40 / "p.pt", steps=40), plain_40)
     assert sha.read_text() == (plain_40 / "p.pt.sha256").read_text()
     assert len(steps_log.read_text().splitlines()) == 40  # the runtime kept recording without the collector
+    # Nobody was left to clean up the tmpfs window directory; the ranks freed its contents at exit.
+    leftovers = [p for d in Path("/dev/shm").glob(f"watcher-window-{run.name}-*")
+                 if d.stat().st_mtime >= started for p in d.iterdir()]
+    assert leftovers == []
 
 
 @needs_bpf
