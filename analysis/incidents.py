@@ -63,7 +63,13 @@ def _first_disagreement(recs, ranks: set[int]) -> dict | None:
         by_key.setdefault((r["group_index"], r["seq"]), []).append(r)
     for (group, seq), rows in sorted(by_key.items()):
         present = {r["rank"] for r in rows}
-        ops = {(r["op"], r["tensor_count"], r["numel"], r["dtype"]) for r in rows}
+        ops = {r["op"] for r in rows}
+        # A field one rank could not decode (NULL: e.g. the tensor layout was
+        # still being measured) is unknown, not a disagreement.
+        for field in ("tensor_count", "numel", "dtype"):
+            known = {r[field] for r in rows if r[field] is not None}
+            if len(known) > 1:
+                ops.add((field, tuple(sorted(map(str, known)))))
         if present != ranks or len(ops) > 1:
             return {"group_index": group, "seq": seq,
                     "issued_by": sorted(present), "missing": sorted(ranks - present),

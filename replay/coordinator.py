@@ -56,26 +56,38 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
         ctl.wait(lambda: ctl.plan_seq >= seq, WAIT_S, "the replay plan")
         plan = read_json(inc_dir / "plan.json")
         mine = {"rank": rt.rank, "halted_ns": t_halt}
-        if plan.get("from_step") is not None:
-            snap = rt.snapshot_at(plan["from_step"])
-            if snap is None:
-                mine["error"] = f"snapshot {plan['from_step']} is gone"
-            else:
-                mine.update(snap.replay(plan["to_step"], inc_dir, plan.get("suspects", []),
-                                        timeout=plan["replay_timeout_s"]))
+        try:
+            if plan.get("from_step") is not None:
+                snap = rt.snapshot_at(plan["from_step"])
+                if snap is None:
+                    mine["error"] = f"snapshot {plan['from_step']} is gone"
+                else:
+                    mine.update(snap.replay(plan["to_step"], inc_dir, plan.get("suspects", []),
+                                            timeout=plan["replay_timeout_s"]))
+        except Exception as e:  # a dead snapshot, a broken pipe: this rank's replay failed, not the job
+            mine["error"] = f"replay failed: {e}"
         write_json(inc_dir / f"replayed.rank{rt.rank}.json", mine)
         if rt.rank == 0:
             ctl.wait(lambda: all((inc_dir / f"replayed.rank{r}.json").exists() for r in range(rt.world)),
                      WAIT_S, "every rank's replay")
-            verdict = decide(rt, info, plan, inc_dir)
+            try:
+                verdict = decide(rt, info, plan, inc_dir)
+            except Exception as e:
+                verdict = unclassified(info, plan, f"the verdict failed: {e}")
             write_json(rt.run_dir / "incidents" / f"{info['incident_id']}.json", verdict)
             ctl.verdict_seq = seq
         ctl.wait(lambda: ctl.verdict_seq >= seq, WAIT_S, "the verdict")
         verdict = read_json(rt.run_dir / "incidents" / f"{info['incident_id']}.json")
-    except TimeoutError as e:
+    except Exception as e:  # never leave the peers waiting on this rank
         _say(rt, f"incident {info['incident_id']}: {e}; going on without a verdict")
-        if rt.rank == 0 and ctl.verdict_seq < seq:
-            ctl.verdict_seq = seq
+        if rt.rank == 0:
+            if not (inc_dir / "plan.json").exists():
+                write_json(inc_dir / "plan.json", {"failing_step": info["failing_step"], "from_step": None,
+                                                   "to_step": info["failing_step"], "reason": str(e)})
+            ctl.plan_seq = max(ctl.plan_seq, seq)
+            ctl.verdict_seq = max(ctl.verdict_seq, seq)
+        elif not (inc_dir / f"replayed.rank{rt.rank}.json").exists():
+            write_json(inc_dir / f"replayed.rank{rt.rank}.json", {"rank": rt.rank, "error": str(e)})
     rt.handled_seq = seq
     if verdict:
         _say(rt, f"incident {info['incident_id']}: {verdict['classification'] or 'unclassified'}"
@@ -227,6 +239,16 @@ def find_stall(rt, plan: dict) -> dict | None:
     return best
 
 
+def unclassified(info: dict, plan: dict, reason: str) -> dict:
+    return {"incident_id": info["incident_id"], "kind": info["kind"], "detected_step": info["failing_step"],
+            "detected_rank": info["rank"], "detected_ts": info["detected_ts"], "detail": info.get("detail"),
+            "window": {"from_step": plan.get("from_step"), "to_step": plan.get("to_step")},
+            "replay": {"reproduced": None, "first_divergence": None, "reason": reason},
+            "classification": None, "track": None, "transient_cause": None, "attribution": None,
+            "causal_chain": None, "prescription": None, "recovered": False, "resumed_at_step": None,
+            "steps_lost": None, "snapshot": None}
+
+
 def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
     world = rt.world
     replayed = [read_json(inc_dir / f"replayed.rank{r}.json") for r in range(world)]
@@ -265,7 +287,9 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
                                              "collectives": len(results[r].get("colls", [])),
                                              "wall_s": replayed[r].get("wall_s")} for r in range(world)}
         return verdict
-    incomplete = [r for r in range(world) if statuses[r] != "done" and r not in timed_out]
+    # A replay that timed out is an answer only for a hang.
+    incomplete = [r for r in range(world) if statuses[r] != "done"
+                  and (r not in timed_out or info["kind"] != "hang")]
     if incomplete and info["kind"] != "hang":
         # A replay that could not finish proves nothing either way.
         verdict["replay"] = {"reproduced": None, "exact": False, "first_divergence": div,
@@ -274,7 +298,7 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
                                                     if results[r].get("error") else "") for r in incomplete)}
         return verdict
     if info["kind"] == "hang":
-        reproduced = bool(timed_out) or bool(div)
+        reproduced = bool(timed_out)
     else:
         reproduced = exact and not comm
     first = div or comm

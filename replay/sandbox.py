@@ -45,21 +45,28 @@ SYS = {  # x86_64
     "splice": 275, "epoll_pwait": 281, "fallocate": 285, "accept4": 288, "dup3": 292, "preadv": 295,
     "pwritev": 296, "recvmmsg": 299, "sendmmsg": 307, "process_vm_writev": 311, "renameat2": 316,
     "copy_file_range": 326, "preadv2": 327, "pwritev2": 328, "openat2": 437, "epoll_pwait2": 441,
+    "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297, "pidfd_send_signal": 424, "io_uring_setup": 425,
+    "pidfd_getfd": 438,
 }
 NAME = {v: k for k, v in SYS.items()}
 NETWORK = ("socket", "connect", "bind", "listen", "accept", "accept4", "sendto", "sendmsg", "sendmmsg",
            "shutdown", "setsockopt")
 ON_INHERITED_FD = ("read", "write", "close", "lseek", "pread64", "pwrite64", "readv", "writev", "dup", "dup2",
-                   "dup3", "sendfile", "recvfrom", "recvmsg", "recvmmsg", "fcntl", "flock", "fsync",
+                   "dup3", "recvfrom", "recvmsg", "recvmmsg", "fcntl", "flock", "fsync",
                    "fdatasync", "ftruncate", "epoll_wait", "epoll_ctl", "epoll_pwait", "epoll_pwait2",
-                   "fallocate", "preadv", "pwritev", "preadv2", "pwritev2", "splice", "copy_file_range")
+                   "fallocate", "preadv", "pwritev", "preadv2", "pwritev2")
+# Calls that move data between two descriptors, or reach other processes or
+# fds by other means, are trapped whatever their arguments.
 ALWAYS = ("creat", "openat2", "unlink", "unlinkat", "rename", "renameat", "renameat2", "truncate", "kill",
-          "tkill", "ptrace", "process_vm_writev")
+          "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal", "ptrace",
+          "process_vm_writev", "sendfile", "splice", "copy_file_range", "pidfd_getfd", "io_uring_setup")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 # classic BPF
 LD_W_ABS, JEQ_K, JSET_K, RET_K = 0x20, 0x15, 0x45, 0x06
 RET_ALLOW = 0x7FFF0000
+RET_KILL_PROCESS = 0x80000000
+X32_BIT = 0x40000000
 RET_NOTIFY = 0x7FC00000
 AUDIT_ARCH_X86_64 = 0xC000003E
 SECCOMP_SET_MODE_FILTER = 1
@@ -79,8 +86,9 @@ def _ins(code, k, jt=0, jf=0):
 
 def build_filter(inherited_fds: list[int]) -> bytes:
     """The BPF program: notify on the calls above, allow everything else."""
-    NOTIFY, ALLOW = "notify", "allow"
-    prog = [("ld", 4), ("jne", AUDIT_ARCH_X86_64, ALLOW), ("ld", 0)]
+    NOTIFY, ALLOW, KILL = "notify", "allow", "kill"
+    # Another ABI (ia32 via int 0x80, x32) would dodge every number below.
+    prog = [("ld", 4), ("jne", AUDIT_ARCH_X86_64, KILL), ("ld", 0), ("jset", X32_BIT, KILL)]
     prog += [("jeq", SYS[name], NOTIFY) for name in NETWORK + ALWAYS]
     prog += [("jeq", SYS["openat"], "openat"), ("jeq", SYS["open"], "open")]
     prog += [("jeq", SYS[name], "fdcheck") for name in ON_INHERITED_FD]
@@ -89,6 +97,7 @@ def build_filter(inherited_fds: list[int]) -> bytes:
              ("label", "open"), ("ld", 16 + 1 * 8), ("jset", WRITE_FLAGS, NOTIFY), ("ja", ALLOW),
              ("label", ALLOW), ("ret", RET_ALLOW),
              ("label", NOTIFY), ("ret", RET_NOTIFY),
+             ("label", KILL), ("ret", RET_KILL_PROCESS),
              ("label", "fdcheck"), ("ld", 16)]  # args[0] low word: the descriptor
     for fd in inherited_fds:  # pairs, so no jump grows with the number of descriptors
         prog += [("jeq_skip", fd), ("ret", RET_NOTIFY)]
@@ -138,6 +147,10 @@ class _SockFprog(ctypes.Structure):
 def install(allowed_fds: set[int]) -> tuple[int, list[int]]:
     """In the replay child: trap calls on every descriptor open now except
     `allowed_fds`.  Returns (listener fd, inherited fds)."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        raise OSError(f"the replay sandbox is built for x86_64, not {platform.machine()}")
     inherited = sorted(int(x) for x in os.listdir("/proc/self/fd") if int(x) not in allowed_fds)
     code = build_filter(inherited)
     buf = ctypes.create_string_buffer(code)
@@ -226,7 +239,8 @@ def supervise(listener: int, child_pid: int, log_path, inherited: list[int]) -> 
                     action = "swallowed"
                 elif name == "fcntl" and args[1] in (1, 3):  # F_GETFD, F_GETFL change nothing
                     flags, action = FLAG_CONTINUE, "allowed"
-                elif name in ("kill", "tkill", "tgkill") and args[0] == notif.pid:
+                elif name in ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo") \
+                        and args[0] == notif.pid:  # signals to itself (raise, abort)
                     flags, action = FLAG_CONTINUE, "allowed"
                 elif name in ("open", "openat", "creat"):
                     add = _AddFd(notif.id, ADDFD_FLAG_SEND, devnull, 0, os.O_CLOEXEC)

@@ -104,11 +104,21 @@ class ForkSnapshot:
         t0 = time.perf_counter_ns()
         pid = os.fork()
         if pid == 0:
-            os.close(cmd_w)
-            os.close(resp_r)
-            _drop_shared_endpoints(keep={cmd_r, resp_w})
-            order, listener_w = _serve(rt, k, cmd_r, resp_w)
-            _enter_replay(rt, order, listener_w)
+            try:
+                os.close(cmd_w)
+                os.close(resp_r)
+                _drop_shared_endpoints(keep={cmd_r, resp_w})
+                order, listener_w = _serve(rt, k, cmd_r, resp_w)
+                _enter_replay(rt, order, listener_w)
+            except BaseException:
+                # A snapshot or a replay child that cannot do its job must
+                # never fall back into the training loop unsandboxed.
+                try:
+                    import traceback
+
+                    traceback.print_exc()
+                finally:
+                    os._exit(70)
             return None
         rt._forking_snapshot = False
         os.close(cmd_r)

@@ -158,7 +158,7 @@ def run(cfg: RunConfig) -> RunResult:
 def _window_dir(out: Path) -> Path:
     """Replay windows go to tmpfs (/dev/shm) when there is one: no disk writeback."""
     shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= 2 << 30:
         return Path(tempfile.mkdtemp(prefix=f"watcher-window-{out.name}-", dir=shm))
     return out / "runtime"
 
@@ -253,7 +253,9 @@ def _crash_incident(cfg: RunConfig) -> dict | None:
     steps = read_steps(cfg.out, rank)
     last = max(steps) if steps else -1
     snaps = sorted(s for s, fp in steps.items() if fp.get("snapshot"))
-    n = len(list((cfg.out / "incidents").glob("inc-*.json"))) + 1
+    # After every incident a rank opened, finished or not.
+    seqs = [int(p.name.split(".")[1]) for p in (cfg.out / "runtime").glob("incident.*.json")]
+    n = max(seqs + [len(list((cfg.out / "incidents").glob("inc-*.json")))]) + 1
     inc_id = f"inc-{n:04d}"
     inc_dir = cfg.out / "incidents" / inc_id
     inc_dir.mkdir(parents=True, exist_ok=True)
@@ -307,7 +309,13 @@ def _crash_replay(out: Path, rank: int, snap_step: int, to_step: int, inc_dir: P
         result = torch.load(inc_dir / f"rank{rank}.result.pt", weights_only=False)
     except Exception:
         pass
-    again = sig is not None
+    replay_status = result.get("status") if result else None
+    if sig is not None or (replay_status == "exception" and reply.get("exit_code") == 1):
+        again = True   # died the same way: a signal, or a Python exception at the same point
+    elif replay_status == "done":
+        again = False  # ran past the crash point
+    else:
+        again = None   # ran out of record or left no result: no answer
     return {"reproduced": again, "crashed_again": again,
             "replay_signal": signal.Signals(sig).name if sig else None,
             "replay_status": result.get("status") if result else ("killed" if sig else None),

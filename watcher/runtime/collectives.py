@@ -94,16 +94,25 @@ class WatchedGroup(dist.ProcessGroup):
             return getattr(self.inner, op)(*args)
         if rt.mode == "replay":
             return rt.replay.collective(rt, meta, ins, outs)
-        rt.before_collective(meta)
-        rt.in_flight += 1
+        try:
+            rt.before_collective(meta)
+            rt.in_flight += 1
+        except Exception as e:
+            rt.fail(e)
         work = getattr(self.inner, op)(*args)
-        if any(stage == "collective_output" for stage, _ in rt.fault_hooks):
-            # Drills corrupting an output must do it before anyone reads it:
-            # complete the work here and hand back a finished one.
-            work.wait()
-            rt.track_collective(meta, outs, None)
-            return _done_work(outs)
-        return rt.track_collective(meta, outs, work)
+        if rt.disabled:
+            return work
+        try:
+            if any(stage == "collective_output" for stage, _ in rt.fault_hooks):
+                # Drills corrupting an output must do it before anyone reads it:
+                # complete the work here and hand back a finished one.
+                work.wait()
+                rt.track_collective(meta, outs, None)
+                return _done_work(outs)
+            return rt.track_collective(meta, outs, work)
+        except Exception as e:
+            rt.fail(e)
+            return work
 
     def __repr__(self) -> str:
         return f"WatchedGroup({self.gid}, rank={self.rank()}, size={self.size()})"

@@ -81,7 +81,11 @@ class Control:
 
     # -- per-rank beacons ------------------------------------------------------------
     def beacon(self, rank: int, step: int, param_sum: int) -> None:
-        _QQ.pack_into(self.mm, HEADER + rank * SLOT + 16 + (step % RING) * 16, step, param_sum)
+        # Checksum first, step last: a peer that sees the new step sees its checksum.
+        at = HEADER + rank * SLOT + 16 + (step % RING) * 16
+        _Q.pack_into(self.mm, at, -1)
+        _Q.pack_into(self.mm, at + 8, param_sum)
+        _Q.pack_into(self.mm, at, step)
 
     def beacon_at(self, rank: int, step: int) -> int | None:
         s, v = _QQ.unpack_from(self.mm, HEADER + rank * SLOT + 16 + (step % RING) * 16)

@@ -18,6 +18,7 @@ import atexit
 import json
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -97,6 +98,10 @@ class RankRuntime:
             sys.stderr.flush()
             os._exit(70)
         try:
+            self.close()  # snapshots and the window serve nothing any more
+        except Exception:
+            pass
+        try:
             with open(self.dir / f"rank{self.rank}.error", "a") as f:
                 f.write("".join(traceback.format_exception(e)))
             print(f"watcher: runtime disabled on rank {self.rank} after an internal error: {e}",
@@ -113,8 +118,11 @@ class RankRuntime:
         self.steps_log = open(self.dir / f"rank{self.rank}.steps.jsonl", "a", buffering=1 << 16)
         self.coll_log = open(self.dir / f"rank{self.rank}.colls.jsonl", "a", buffering=1 << 16)
         # No segment before the first snapshot: nothing could replay it.
-        self.seg = SegmentWriter(self.window_dir, self.rank,
-                                 max_bytes=int(float(os.environ.get("WATCHER_WINDOW_MAX_MB", "4096")) * (1 << 20)))
+        # Capped, and never more than a quarter of the free space shared by this node's ranks.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) or 1
+        cap = min(float(os.environ.get("WATCHER_WINDOW_MAX_MB", "4096")) * (1 << 20),
+                  shutil.disk_usage(self.window_dir).free / 4 / local)
+        self.seg = SegmentWriter(self.window_dir, self.rank, max_bytes=int(cap))
         self.handled_seq = self.ctl.incident_seq
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         if local_world != self.world and self.unsupported is None:
@@ -130,7 +138,9 @@ class RankRuntime:
     def is_paused(self) -> bool:
         if not self.active or not self.ctl.paused:
             return False
-        self.unsupported = self.unsupported or "the runtime was paused for a measurement"
+        if self.unsupported is None:
+            self.unsupported = "the runtime was paused for a measurement"
+            self.close()
         return True
 
     # -- hooks (called from patched torch entry points) -------------------------------------
@@ -168,7 +178,7 @@ class RankRuntime:
                     batch = fn(self, batch)
             self.batch_sums.append(object_sum(batch))
             if self.mode == "live":
-                self.seg.put(("batch", idx, batch))
+                self.seg.put(("batch", idx, batch), copy=True)  # the user may modify it in place
         except Exception as e:
             self.fail(e)
         return batch
@@ -295,10 +305,14 @@ class RankRuntime:
             info = self.ctl.incident(seq)
             if self.unsupported or info.get("unsupported"):
                 self.handled_seq = seq  # recorded, not replayed: `watcher run` writes it up
+                if self.rank == 0:
+                    self.ctl.verdict_seq = max(self.ctl.verdict_seq, seq)  # the next incident may open
             elif k >= info["halt_step"]:
                 from ..replay.coordinator import handle_incident
 
                 handle_incident(self, seq, info)
+                # The halt and the replay are not training time: no hang, no step-time sample.
+                self.last_end_ns = None
 
     def detect(self, fp: dict) -> dict | None:
         if fp["step"] == self.replay_check_step and self.rank == 0:
@@ -376,6 +390,8 @@ class RankRuntime:
         whose halt step never came, is handled now, at this final boundary."""
         self.exiting = True
         if self.disabled or self.mode != "live":
+            if self.mode == "live":
+                self.close()
             return
         try:
             seq = self.ctl.incident_seq
@@ -434,7 +450,7 @@ def _guard(fn):
             return None
         try:
             return fn(rt, *args, **kwargs)
-        except SystemExit:
+        except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as e:
             rt.fail(e)

@@ -48,13 +48,13 @@ class SegmentWriter:
             self.segments.append((from_step, path))
             self.truncated = False
 
-    def put(self, record: tuple) -> None:
+    def put(self, record: tuple, copy: bool = False) -> None:
         """Queue a record; a writer thread writes it (os.writev releases the
         GIL, so training does not wait for the copy into the page cache).  A
         rank that crashes loses at most the records still queued."""
         if self.fd is None:
             return
-        parts = encode(record)
+        parts = encode(record, copy)
         size = sum(len(p) for p in parts)
         with self.lock:
             if self.fd is None:
@@ -176,23 +176,26 @@ _U64 = struct.Struct("<Q")
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, f, tensors: list):
+    def __init__(self, f, tensors: list, copy: bool):
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors = tensors
+        self.copy = copy
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
             t = obj.detach().contiguous()
+            if self.copy and t.data_ptr() == obj.data_ptr():
+                t = t.clone()  # written later by the thread: freeze it now
             self.tensors.append(t)
             return ("t", str(t.dtype).replace("torch.", ""), tuple(t.shape), t.numel() * t.element_size(),
                     t.requires_grad)
         return None
 
 
-def encode(record) -> list:
+def encode(record, copy: bool = False) -> list:
     buf = io.BytesIO()
     tensors: list = []
-    _Pickler(buf, tensors).dump(record)
+    _Pickler(buf, tensors, copy).dump(record)
     head = buf.getvalue()
     parts = [_U64.pack(len(head)), head]
     for t in tensors:
