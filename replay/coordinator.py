@@ -97,7 +97,10 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
             snap = rt.snapshot_at(plan["from_step"]) if plan.get("from_step") is not None else None
             if snap in rt.snapshots:
                 rt.snapshots.remove(snap)
-                rt.retained = getattr(rt, "retained", []) + [snap]
+                # One retained snapshot at a time: each is a copy-on-write image of the rank.
+                for old in getattr(rt, "retained", []):
+                    old.release()
+                rt.retained = [snap]
     if rt.policy != "observe" and info["kind"] != "replay_check" and not final:
         rt.steps_log.flush()
         rt.coll_log.flush()

@@ -32,6 +32,7 @@ class SegmentWriter:
         self.queue: collections.deque = collections.deque()
         self.thread = None
         self.pending_writes = 0
+        self.writing = False
         self.max_bytes = max_bytes
         self.bytes = 0             # in the segments still kept
         self.sizes: dict = {}      # segment path -> bytes
@@ -78,11 +79,13 @@ class SegmentWriter:
                 while not self.queue:
                     self.wake.wait()
                 fd, parts = self.queue.popleft()
+                self.writing = True
             try:
                 os.writev(fd, parts)
             except OSError:
                 pass  # the segment was dropped meanwhile
             with self.lock:
+                self.writing = False
                 self.pending_writes = len(self.queue)
                 if not self.queue:
                     self.idle.notify_all()
@@ -90,7 +93,7 @@ class SegmentWriter:
     def flush(self) -> None:
         """Wait until everything queued is on its way to disk."""
         with self.lock:
-            while self.queue:
+            while self.queue or self.writing:  # a record in the middle of its write counts too
                 self.idle.wait(timeout=1.0)
 
 
