@@ -115,34 +115,28 @@ def _say(rt, msg: str) -> None:
         print(f"watcher: {msg}", file=sys.stderr, flush=True)
 
 
-def read_steps(run_dir: Path, rank: int) -> dict[int, dict]:
+def _read_jsonl(path: Path, key) -> dict:
+    """A rank's JSON-lines log keyed by key(record); a line still being written is skipped."""
     out = {}
     try:
-        with open(run_dir / "runtime" / f"rank{rank}.steps.jsonl") as f:
+        with open(path) as f:
             for line in f:
                 try:
-                    fp = json.loads(line)
+                    rec = json.loads(line)
                 except ValueError:
                     continue
-                out[fp["step"]] = fp
+                out[key(rec)] = rec
     except OSError:
         pass
     return out
+
+
+def read_steps(run_dir: Path, rank: int) -> dict[int, dict]:
+    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.steps.jsonl", lambda fp: fp["step"])
 
 
 def read_colls(run_dir: Path, rank: int) -> dict[tuple, dict]:
-    out = {}
-    try:
-        with open(run_dir / "runtime" / f"rank{rank}.colls.jsonl") as f:
-            for line in f:
-                try:
-                    c = json.loads(line)
-                except ValueError:
-                    continue
-                out[(c["group"], c["seq"])] = c
-    except OSError:
-        pass
-    return out
+    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.colls.jsonl", lambda c: (c["group"], c["seq"]))
 
 
 def make_plan(rt, info: dict, inc_dir: Path) -> dict:
@@ -242,14 +236,21 @@ def find_stall(rt, plan: dict) -> dict | None:
     return best
 
 
-def unclassified(info: dict, plan: dict, reason: str) -> dict:
-    return {"incident_id": info["incident_id"], "kind": info["kind"], "detected_step": info["failing_step"],
-            "detected_rank": info["rank"], "detected_ts": info["detected_ts"], "detail": info.get("detail"),
-            "window": {"from_step": plan.get("from_step"), "to_step": plan.get("to_step")},
-            "replay": {"reproduced": None, "first_divergence": None, "reason": reason},
+def incident_doc(incident_id: str, kind: str, step, rank, ts, detail, from_step, to_step,
+                 reason: str | None = None) -> dict:
+    """The incident document (DIR/incidents/<id>.json), before any verdict.
+    Diagnosis and recovery fields stay null until those stages fill them."""
+    return {"incident_id": incident_id, "kind": kind, "detected_step": step, "detected_rank": rank,
+            "detected_ts": ts, "detail": detail, "window": {"from_step": from_step, "to_step": to_step},
+            "replay": None if reason is None else {"reproduced": None, "first_divergence": None, "reason": reason},
             "classification": None, "track": None, "transient_cause": None, "attribution": None,
             "causal_chain": None, "prescription": None, "recovered": False, "resumed_at_step": None,
             "steps_lost": None, "snapshot": None}
+
+
+def unclassified(info: dict, plan: dict, reason: str) -> dict:
+    return incident_doc(info["incident_id"], info["kind"], info["failing_step"], info["rank"], info["detected_ts"],
+                        info.get("detail"), plan.get("from_step"), plan.get("to_step"), reason)
 
 
 def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
@@ -262,19 +263,9 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
             results.append(torch.load(p, weights_only=False))
         except Exception:
             results.append({"rank": r, "status": "no_result"})
-    verdict = {
-        "incident_id": info["incident_id"], "kind": info["kind"],
-        "detected_step": info["failing_step"], "detected_rank": info["rank"], "detected_ts": info["detected_ts"],
-        "detail": info.get("detail"),
-        "window": {"from_step": plan.get("from_step"), "to_step": plan["to_step"]},
-        "replay": None, "classification": None, "track": None, "transient_cause": None,
-        "attribution": None, "causal_chain": None, "prescription": None,
-        "recovered": False, "resumed_at_step": None, "steps_lost": None,
-        "snapshot": None,
-    }
     if plan.get("from_step") is None:
-        verdict["replay"] = {"reproduced": None, "first_divergence": None, "reason": plan.get("reason")}
-        return verdict
+        return unclassified(info, plan, plan.get("reason"))
+    verdict = unclassified(info, plan, "")
     divs = [res["first_divergence"] for res in results if res.get("first_divergence")]
     div = min(divs, key=lambda d: (d["step"], d["collective"]["seq"])) if divs else None
     comm = communication_check(rt, plan, results) if not div else None

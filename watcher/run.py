@@ -234,7 +234,7 @@ def _ranks(out: Path) -> list[dict]:
 def _crash_incident(cfg: RunConfig) -> dict | None:
     """The first rank to die abnormally (not stopped by Watcher, not killed by
     the launcher after a peer failed): replay it from its newest snapshot."""
-    from .replay.coordinator import read_steps
+    from .replay.coordinator import incident_doc, read_steps
 
     try:
         ranks = _ranks(cfg.out)
@@ -261,16 +261,10 @@ def _crash_incident(cfg: RunConfig) -> dict | None:
     inc_dir.mkdir(parents=True, exist_ok=True)
     how = (f"signal {signal.Signals(crashed['exit_signal']).name}" if crashed["exit_signal"]
            else f"exit code {crashed['exit_code']}")
-    verdict = {
-        "incident_id": inc_id, "kind": "crash", "detected_step": last + 1, "detected_rank": rank,
-        "detected_ts": crashed["end_ts"], "detail": {"how": how, "pid": crashed["pid"],
-                                                     "exit_code": crashed["exit_code"],
-                                                     "exit_signal": crashed["exit_signal"]},
-        "window": {"from_step": snaps[-1] if snaps else None, "to_step": last + 1},
-        "replay": None, "classification": None, "track": None, "transient_cause": None,
-        "attribution": None, "causal_chain": None, "prescription": None,
-        "recovered": False, "resumed_at_step": None, "steps_lost": None, "snapshot": None,
-    }
+    verdict = incident_doc(inc_id, "crash", last + 1, rank, crashed["end_ts"],
+                           {"how": how, "pid": crashed["pid"], "exit_code": crashed["exit_code"],
+                            "exit_signal": crashed["exit_signal"]},
+                           snaps[-1] if snaps else None, last + 1)
     if snaps:
         reply = _crash_replay(cfg.out, rank, snaps[-1], last + 1, inc_dir)
         verdict["replay"] = reply
@@ -330,6 +324,8 @@ def _unfinished_incidents(out: Path) -> None:
     replay, with the recorder's view of where each rank was blocked."""
     import glob
 
+    from .replay.coordinator import incident_doc
+
     for p in sorted(glob.glob(str(out / "runtime" / "incident.*.json"))):
         with open(p) as f:
             info = json.load(f)
@@ -345,16 +341,12 @@ def _unfinished_incidents(out: Path) -> None:
                 blocked = analyze_hang(recs)
         except Exception as e:  # the analysis is a bonus; the incident is written regardless
             blocked = {"error": str(e)}
-        write_json(final, {
-            "incident_id": info["incident_id"], "kind": info["kind"], "detected_step": info["failing_step"],
-            "detected_rank": info["rank"], "detected_ts": info["detected_ts"], "detail": info.get("detail"),
-            "window": {"from_step": None, "to_step": info["failing_step"]},
-            "replay": {"reproduced": None, "first_divergence": None,
-                       "reason": info.get("unsupported") or
-                       "the ranks never reached the halt step, so no window could be replayed"},
-            "classification": None, "track": None, "transient_cause": None, "attribution": None,
-            "causal_chain": None, "prescription": None, "recovered": False, "resumed_at_step": None,
-            "steps_lost": None, "snapshot": None, "recorder_view": blocked})
+        doc = incident_doc(info["incident_id"], info["kind"], info["failing_step"], info["rank"],
+                           info["detected_ts"], info.get("detail"), None, info["failing_step"],
+                           info.get("unsupported")
+                           or "the ranks never reached the halt step, so no window could be replayed")
+        doc["recorder_view"] = blocked
+        write_json(final, doc)
 
 
 def _reap_orphans() -> None:
