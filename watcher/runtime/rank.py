@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from . import collectives
-from .checksum import object_sum, params_sum, rng_digest, tensors_sum
+from .checksum import ParamChecksum, object_sum, rng_digest, tensors_sum
 from .control import Control, read_json, write_json
 from .window import END_OF_DATA, SegmentWriter
 
@@ -77,6 +77,8 @@ class RankRuntime:
         self.unsupported = None       # why this rank cannot be replayed, if it cannot
         self.in_flight = 0            # collectives issued and not completed
         self.exiting = False
+        self.flushed_ns = 0
+        self.param_sum = ParamChecksum()
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
         self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
@@ -170,7 +172,7 @@ class RankRuntime:
             try:
                 batch = orig(it)
             except StopIteration:
-                _guard(lambda rt: rt.seg.put(("batch", idx, END_OF_DATA)))()
+                _guard(lambda rt: rt.seg.put(("batch", idx, END_OF_DATA), wake=True))()
                 raise
         try:
             for stage, fn in self.fault_hooks:
@@ -261,7 +263,7 @@ class RankRuntime:
         bsums, self.batch_sums = self.batch_sums, []
         return {"step": k, "rank": self.rank, "ts": now,
                 "dur": now - self.last_end_ns if self.last_end_ns else None,
-                "loss": loss, "grad_norm": gn, "param_sum": params_sum(params),
+                "loss": loss, "grad_norm": gn, "param_sum": self.param_sum(params),
                 "batch_sum": _combine(bsums), "rng": rng_digest(), "n_coll": len(colls),
                 "_colls": colls}
 
@@ -296,10 +298,14 @@ class RankRuntime:
                 # What the previous snapshot cost in memory over one interval:
                 # the pages the rank rewrote since, now private to the snapshot.
                 fp["prev_snapshot_private_mb"] = _private_mb(self.snapshots[-2].pid)
-        self.seg.put(("step", fp))
+        self.seg.put(("step", fp), wake=True)
         self.steps_log.write(json.dumps(fp) + "\n")
-        self.steps_log.flush()
-        self.coll_log.flush()
+        if fp["ts"] - self.flushed_ns > 500_000_000:
+            # The logs reach the file at least every 0.5 s (and at every
+            # snapshot, incident and exit), not every step: a write per step is
+            # a syscall the recorder traces too.  The beacons carry each rank's
+            # latest step in the meantime.
+            self.flush_logs(fp["ts"])
         if open_incident:
             seq = self.ctl.incident_seq
             info = self.ctl.incident(seq)
@@ -313,6 +319,11 @@ class RankRuntime:
                 handle_incident(self, seq, info)
                 # The halt and the replay are not training time: no hang, no step-time sample.
                 self.last_end_ns = None
+
+    def flush_logs(self, now_ns: int | None = None) -> None:
+        self.steps_log.flush()
+        self.coll_log.flush()
+        self.flushed_ns = now_ns or time.monotonic_ns()
 
     def detect(self, fp: dict) -> dict | None:
         if fp["step"] == self.replay_check_step and self.rank == 0:
@@ -344,8 +355,7 @@ class RankRuntime:
     def take_snapshot(self, k: int) -> None:
         from ..replay.snapshot import ForkSnapshot
 
-        self.steps_log.flush()
-        self.coll_log.flush()
+        self.flush_logs()
         snap = ForkSnapshot.take(self, k)
         if snap is None:
             return  # we are a replay child, returning into the training loop
@@ -405,12 +415,17 @@ class RankRuntime:
             self.close()
 
     def close(self) -> None:
+        if self.active:
+            try:
+                self.flush_logs()
+            except (OSError, ValueError):
+                pass
         for s in self.snapshots + getattr(self, "retained", []):
             s.release()
         self.snapshots = []
         if self.active:  # without snapshots the window serves nothing: free the tmpfs
             self.seg.close()
-            self.seg.drop_before(1 << 62)
+            self.seg.drop_before(1 << 62, recycle=False)
 
 
 def _private_mb(pid: int) -> float | None:
