@@ -26,9 +26,7 @@ from pathlib import Path
 import torch
 
 from ..runtime.control import read_json, write_json
-from ..runtime.window import Window, segment_paths
 
-MUST_AGREE = {"allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base"}
 WAIT_S = float(os.environ.get("WATCHER_INCIDENT_WAIT", "600"))
 
 
@@ -62,8 +60,10 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
                 if snap is None:
                     mine["error"] = f"snapshot {plan['from_step']} is gone"
                 else:
-                    mine.update(snap.replay(plan["to_step"], inc_dir, plan.get("suspects", []),
-                                            timeout=plan["replay_timeout_s"]))
+                    exchange = rt.window_dir / f"exchange-{info['incident_id']}"
+                    exchange.mkdir(exist_ok=True)
+                    mine.update(snap.replay(plan["to_step"], inc_dir, timeout=plan["replay_timeout_s"],
+                                            exchange=exchange))
         except Exception as e:  # a dead snapshot, a broken pipe: this rank's replay failed, not the job
             mine["error"] = f"replay failed: {e}"
         write_json(inc_dir / f"replayed.rank{rt.rank}.json", mine)
@@ -89,9 +89,15 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
         elif not (inc_dir / f"replayed.rank{rt.rank}.json").exists():
             write_json(inc_dir / f"replayed.rank{rt.rank}.json", {"rank": rt.rank, "error": str(e)})
     rt.handled_seq = seq
+    _remove_tree(rt.window_dir / f"exchange-{info['incident_id']}")
+    recovered = False
     if verdict:
         _say(rt, f"incident {info['incident_id']}: {verdict['classification'] or 'unclassified'}"
                  + (f" ({verdict['transient_cause']})" if verdict.get("transient_cause") else ""))
+    if (verdict and verdict.get("classification") == "transient" and rt.policy == "recover"
+            and info["kind"] != "replay_check" and not final):
+        recovered = recover(rt, seq, info, plan, inc_dir, t_halt)
+    if verdict:
         if verdict["classification"] == "persistent":
             # Keep the frozen snapshot out of rotation for diagnosis.
             snap = rt.snapshot_at(plan["from_step"]) if plan.get("from_step") is not None else None
@@ -101,13 +107,95 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
                 for old in getattr(rt, "retained", []):
                     old.release()
                 rt.retained = [snap]
-    if rt.policy != "observe" and info["kind"] != "replay_check" and not final:
-        rt.steps_log.flush()
-        rt.coll_log.flush()
+    if rt.policy != "observe" and info["kind"] != "replay_check" and not final and not recovered:
+        rt.flush_logs()
         rt.seg.flush()
         _say(rt, f"stopping after incident {info['incident_id']} (policy {rt.policy})")
         rt.close()
         os._exit(75)
+
+
+def recover(rt, seq: int, info: dict, plan: dict, inc_dir: Path, t_halt: int) -> bool:
+    """Track A: load the replayed state into this live rank, check it, and
+    agree with every rank that all of them did.  True when training may go on."""
+    from .merge import merge_state
+
+    ctl, iid = rt.ctl, info["incident_id"]
+    inc_path = rt.run_dir / "incidents" / f"{iid}.json"
+    verdict = read_json(inc_path)
+    rec = verdict.get("recovery") or {}
+    t0 = time.monotonic_ns()
+    mine = {"rank": rt.rank, "ok": False, "tries": 0}
+    if rec.get("possible"):
+        try:
+            res = torch.load(inc_dir / f"rank{rt.rank}.result.pt", weights_only=False)
+            want = res["state"]["param_sum"]
+            # A fault during the merge itself (a flipped bit in the copy) shows
+            # as a checksum that is not the replay's: merge again, once.
+            for attempt in (1, 2):
+                mine["tries"] = attempt
+                got = merge_state(rt, res["state"])
+                if got == want:
+                    mine["ok"] = True
+                    break
+                mine["error"] = f"merged parameters have checksum {got}, the replay {want}"
+            if mine["ok"]:
+                mine.pop("error", None)
+                _adopt_replayed_steps(rt, res, plan)
+        except Exception as e:
+            mine["error"] = f"merge failed: {e}"
+    else:
+        mine["error"] = rec.get("reason") or "no recovery was planned"
+    mine["merge_s"] = round((time.monotonic_ns() - t0) / 1e9, 4)
+    write_json(inc_dir / f"merged.rank{rt.rank}.json", mine)
+    done_path = inc_dir / "recovery.json"
+    if rt.rank == 0:
+        try:
+            ctl.wait(lambda: all((inc_dir / f"merged.rank{r}.json").exists() for r in range(rt.world)),
+                     WAIT_S, "every rank's merge")
+            merged = [read_json(inc_dir / f"merged.rank{r}.json") for r in range(rt.world)]
+        except Exception as e:
+            merged = [{"rank": rt.rank, "ok": False, "error": str(e)}]
+        ok = all(m.get("ok") for m in merged)
+        now = time.monotonic_ns()
+        verdict.update(recovered=ok, resumed_at_step=plan["to_step"] + 1 if ok else None, steps_lost=0 if ok else None)
+        verdict["recovery"] = dict(rec, merged=merged, retried=any(m.get("tries", 0) > 1 for m in merged),
+                                   reason=None if ok else next((f"rank {m['rank']}: {m.get('error')}" for m in merged
+                                                                if not m.get("ok")), rec.get("reason")),
+                                   detect_to_resume_s=round((now - info["detected_ts"]) / 1e9, 3),
+                                   halt_to_resume_s=round((now - t_halt) / 1e9, 3))
+        write_json(inc_path, verdict)
+        write_json(done_path, {"ok": ok})
+    ctl.wait(lambda: done_path.exists(), WAIT_S, "the recovery outcome")
+    ok = bool(read_json(done_path).get("ok"))
+    if ok:
+        _say(rt, f"incident {iid}: recovered; training resumes at step {plan['to_step'] + 1}, no step lost")
+        # The retained snapshots and window still hold the faulty live run:
+        # start afresh from the recovered state.
+        for snap in rt.snapshots:
+            snap.release()
+        rt.snapshots = []
+        rt.resnapshot = True
+    return ok
+
+
+def _adopt_replayed_steps(rt, res: dict, plan: dict) -> None:
+    """The replayed fingerprints become the record of the recovered steps
+    (the steps log keeps the last line per step), and the beacon carries the
+    recovered parameters for the replica check."""
+    for k in sorted(res["steps"]):
+        fp = {f: v for f, v in res["steps"][k].items() if f not in ("match", "diff", "_colls")}
+        fp["recovered"] = True
+        rt.steps_log.write(json.dumps(fp) + "\n")
+    rt.flush_logs()
+    last = res["steps"][plan["to_step"]]
+    rt.ctl.beacon(rt.rank, plan["to_step"], last["param_sum"])
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _say(rt, msg: str) -> None:
@@ -158,63 +246,16 @@ def make_plan(rt, info: dict, inc_dir: Path) -> dict:
             v = cand
             break
         why = f"snapshot {cand} is not verified: ranks disagree on the parameters"
-    plan = {"failing_step": k, "from_step": v, "to_step": k, "suspects": [], "reason": None if v is not None else why}
+    # The replay runs to where the ranks halted, so that under --policy
+    # recover its end state is the live ranks' state, recomputed.
+    halt = min(a["step"] for a in arrivals)
+    plan = {"failing_step": k, "from_step": v, "to_step": max(k, halt), "reason": None if v is not None else why}
     if v is None:
         return plan
-    # Outputs that every rank must have received identically, but did not.
-    colls = [read_colls(rt.run_dir, r) for r in range(world)]
-    for key, c in colls[0].items():
-        if not (v < c["step"] <= k) or c["op"] not in MUST_AGREE:
-            continue
-        outs = {colls[r].get(key, {}).get("out_sum") for r in range(world)}
-        if len(outs) > 1:
-            plan["suspects"].append(list(key))
-    window_s = sum((steps[0].get(s, {}).get("dur") or 0) for s in range(v + 1, k + 1)) / 1e9
+    window_s = sum((steps[0].get(s, {}).get("dur") or 0) for s in range(v + 1, plan["to_step"] + 1)) / 1e9
     plan["replay_timeout_s"] = max(60.0, 20 * window_s)
     plan["window_wall_s"] = round(window_s, 3)
     return plan
-
-
-def _reduce(op: str, tensors: list):
-    out = tensors[0].clone()
-    for t in tensors[1:]:
-        if op in ("SUM", "AVG", None):
-            out += t
-        elif op == "MAX":
-            torch.maximum(out, t, out=out)
-        elif op == "MIN":
-            torch.minimum(out, t, out=out)
-        elif op == "PRODUCT":
-            out *= t
-    return out
-
-
-def communication_check(rt, plan: dict, results: list[dict]) -> dict | None:
-    """For each suspect allreduce: which rank's recorded output is not the
-    reduction of the (replayed, checksum-verified) inputs of all ranks."""
-    world = rt.world
-    windows = None
-    for key in map(tuple, plan["suspects"]):
-        ins = [res.get("inputs", {}).get(key) for res in results]
-        if any(i is None for i in ins):
-            continue
-        if windows is None:
-            windows = [Window.load(segment_paths(rt.window_dir, r, plan["from_step"])) for r in range(world)]
-        meta = windows[0].colls.get(key, {})
-        if meta.get("op") not in ("allreduce", "allreduce_coalesced"):
-            continue
-        expected = [_reduce(meta.get("reduce_op"), [ins[r][i] for r in range(world)]) for i in range(len(ins[0]))]
-        if meta.get("reduce_op") == "AVG":
-            expected = [e / world for e in expected]
-        for r in range(world):
-            got = windows[r].outputs.get(key)
-            if got is None:
-                continue
-            if not all(torch.equal(e, g) if world <= 2 else torch.allclose(e, g, rtol=1e-6, atol=0)
-                       for e, g in zip(expected, got)):
-                return {"rank": r, "step": meta["step"], "where": "communication",
-                        "collective": {"group": key[0], "seq": key[1], "op": meta["op"]}}
-    return None
 
 
 def find_stall(rt, plan: dict) -> dict | None:
@@ -267,15 +308,16 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
         return unclassified(info, plan, plan.get("reason"))
     verdict = unclassified(info, plan, "")
     divs = [res["first_divergence"] for res in results if res.get("first_divergence")]
-    div = min(divs, key=lambda d: (d["step"], d["collective"]["seq"])) if divs else None
-    comm = communication_check(rt, plan, results) if not div else None
+    # The earliest divergence; at the same collective a rank whose own input
+    # differed (compute) explains the others' differing outputs.
+    div = min(divs, key=lambda d: (d["step"], d["collective"]["seq"], d["where"] != "compute")) if divs else None
     statuses = {r: results[r].get("status") for r in range(world)}
     timed_out = [r for r in range(world) if replayed[r].get("timed_out")]
     exact = all(statuses[r] == "done" and all(s["match"] for s in results[r]["steps"].values())
                 and all(c["match"] for c in results[r]["colls"]) for r in range(world))
     stall = find_stall(rt, plan) if info["kind"] == "hang" else None
     if info["kind"] == "replay_check":  # a healthy window replayed on request: no failure to classify
-        verdict["replay"] = {"reproduced": None, "exact": exact, "first_divergence": div or comm,
+        verdict["replay"] = {"reproduced": None, "exact": exact, "first_divergence": div,
                              "per_rank": None, "window_wall_s": plan.get("window_wall_s")}
         verdict["replay"]["per_rank"] = {r: {"status": statuses[r], "steps": len(results[r].get("steps", {})),
                                              "collectives": len(results[r].get("colls", [])),
@@ -294,8 +336,8 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
     if info["kind"] == "hang":
         reproduced = bool(timed_out)
     else:
-        reproduced = exact and not comm
-    first = div or comm
+        reproduced = exact and not div
+    first = div
     verdict["replay"] = {
         "reproduced": reproduced, "exact": exact, "first_divergence": first,
         "stall": stall,
@@ -311,7 +353,37 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
         verdict.update(classification="persistent", track="B",
                        snapshot={"from_step": plan["from_step"], "retained": True})
     else:
-        cause = ("bit_flip" if div else "communication" if comm else
+        cause = ("communication" if div and div["where"] == "communication" else "bit_flip" if div else
                  "timeout" if info["kind"] == "hang" else "unknown")
         verdict.update(classification="transient", track="A", transient_cause=cause)
+        verdict["recovery"] = recoverable(rt, plan, results)
     return verdict
+
+
+def recoverable(rt, plan: dict, results: list[dict]) -> dict:
+    """Can the replayed end state replace the live one?  It must be complete,
+    computed (not copied from a record that may carry the fault), finite,
+    unremarkable to the detectors, and the same on every replica."""
+    import copy
+
+    world, to = rt.world, plan["to_step"]
+    why = None
+    for r, res in enumerate(results):
+        if res.get("status") != "done" or "state" not in res:
+            why = f"rank {r}'s replay did not finish ({res.get('status')})"
+        elif res.get("from_record"):
+            why = f"rank {r} replayed collectives Watcher cannot compute ({res['from_record'][0]}...)"
+        if why:
+            return {"possible": False, "reason": why}
+    detectors = copy.deepcopy(rt.detectors)
+    for k in range(plan["from_step"] + 1, to + 1):
+        fp = results[0]["steps"].get(k)
+        if fp is None:
+            return {"possible": False, "reason": f"step {k} is missing from the replay"}
+        hit = detectors.check_step(fp) if k >= plan["failing_step"] else None
+        if hit:
+            return {"possible": False, "reason": f"the replayed step {k} is itself anomalous ({hit['kind']})"}
+    sums = {res["steps"][to]["param_sum"] for res in results}
+    if rt.replicated and len(sums) > 1:
+        return {"possible": False, "reason": f"the replicas disagree after the replay of step {to}"}
+    return {"possible": True, "reason": None, "param_sums": [res["steps"][to]["param_sum"] for res in results]}

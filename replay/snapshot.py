@@ -127,13 +127,18 @@ class ForkSnapshot:
         rt.snap_policy.fork_ns.append(fork_ns)
         return cls(pid, k, cmd_w, resp_r, fork_ns, rt.run_dir, rt.rank)
 
-    def replay(self, to_step: int, out_dir: Path, suspects=(), timeout: float = 300.0) -> dict:
-        """Re-execute steps step+1..to_step in a sandboxed child; returns how it ended."""
+    def replay(self, to_step: int, out_dir: Path, timeout: float = 300.0,
+               exchange: Path | None = None) -> dict:
+        """Re-execute steps step+1..to_step in a sandboxed child; returns how it ended.
+        With `exchange` (a directory shared by every rank's replay of this
+        window) the replay is coordinated: collectives are computed from the
+        replayed inputs of all ranks instead of answered from the record."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        order = {"op": "replay", "to_step": to_step, "suspects": [list(s) for s in suspects],
+        order = {"op": "replay", "to_step": to_step,
                  "result": str(out_dir / f"rank{self.rank}.result.pt"),
                  "log": str(out_dir / f"rank{self.rank}.replay.log"),
-                 "sandbox_log": str(out_dir / f"rank{self.rank}.sandbox.jsonl")}
+                 "sandbox_log": str(out_dir / f"rank{self.rank}.sandbox.jsonl"),
+                 "exchange": str(exchange) if exchange else None, "exchange_timeout_s": timeout}
         t0 = time.monotonic()
         os.write(self.cmd_w, (json.dumps(order) + "\n").encode())
         reply = _read_reply(self.resp_r, timeout)
@@ -339,7 +344,14 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     state = ReplayState(rt, window, order, result)
-    listener, inherited = sandbox.install({result.fileno(), 1, 2, log_fd, listener_w})
+    allowed = {result.fileno(), 1, 2, log_fd, listener_w}
+    if order.get("exchange"):
+        from .exchange import Exchange, exchange_path
+
+        xfd = os.open(exchange_path(order["exchange"], rt.rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        state.exchange = Exchange(Path(order["exchange"]), rt.rank, rt.world, xfd)
+        allowed.add(xfd)
+    listener, inherited = sandbox.install(allowed)
     os.write(listener_w, (json.dumps({"listener": listener, "inherited": inherited}) + "\n").encode())
     os.close(listener_w)
     state.inherited_fds = inherited

@@ -1,9 +1,13 @@
 """What a replay child does in place of the live rank's I/O.
 
-Batches and collective outputs come from the recorded window; every replayed
-collective input and step fingerprint is compared with the record.  At the
-target step (or when the record runs out, or on an exception) the child
-writes its result and exits without running any of the program's exit code.
+Batches come from the recorded window.  Collective outputs come either from
+the record (a rank replayed alone, e.g. after a crash) or, in a coordinated
+replay (the order names an exchange directory), are computed from every
+rank's replayed inputs (see exchange.py).  Every replayed collective input and
+step fingerprint is compared with the record.  At the target step (or when
+the record runs out, or on an exception) the child writes its result (with,
+in a coordinated replay, the training state for a merge into the live rank)
+and exits without running any of the program's exit code.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import torch
 
 from ..runtime.collectives import _done_work
 from ..runtime.window import END_OF_DATA
+from .exchange import REDUCED, PeerEnded, compute_outputs
+from .merge import training_state
 
 COMPARED = ("loss", "grad_norm", "param_sum", "batch_sum", "rng")
 
@@ -32,15 +38,17 @@ class ReplayState:
         self.rank = rt.rank
         self.window = window
         self.to_step = order["to_step"]
-        self.suspects = {tuple(s) for s in order.get("suspects", [])}
         self.result_file = result_file
         self.steps: dict[int, dict] = {}
         self.colls: list[dict] = []
         self.first_divergence = None
-        self.inputs: dict = {}
         self.from_step = rt.step
         self.t0 = time.monotonic_ns()
         self.inherited_fds: list[int] = []
+        self.rt = rt
+        self.exchange = None          # set for a coordinated replay
+        self.from_record: list = []   # collectives answered from the record in a coordinated replay
+        self.exchange_timeout_s = float(order.get("exchange_timeout_s", 120.0))
 
     def batch(self, idx, it, orig):
         if idx not in self.window.batches:
@@ -50,22 +58,38 @@ class ReplayState:
             raise StopIteration
         return b
 
-    def collective(self, rt, meta: dict, ins: list, outs: list):
+    def collective(self, rt, meta: dict, ins: list, outs: list, members: list[int]):
         key = (meta["group"], meta["seq"])
         rec = self.window.colls.get(key)
         if rec is None:
             self.finish("record_exhausted", f"collective {key} is not in the window")
         ok = rec["in_sum"] == meta["in_sum"] and rec["op"] == meta["op"]
-        self.colls.append({"group": key[0], "seq": key[1], "op": meta["op"], "step": meta["step"],
-                           "in_sum": meta["in_sum"], "recorded_in_sum": rec["in_sum"], "match": ok})
-        if not ok and self.first_divergence is None:
+        entry = {"group": key[0], "seq": key[1], "op": meta["op"], "step": meta["step"],
+                 "in_sum": meta["in_sum"], "recorded_in_sum": rec["in_sum"], "match": ok}
+        self.colls.append(entry)
+        where = None if ok else "compute"
+        recorded = self.window.outputs[key]
+        if self.exchange is not None and meta["op"] in REDUCED:
+            try:
+                got = self.exchange.gather(key, {"in_match": ok, "ins": [t.detach() for t in ins]},
+                                           members, self.exchange_timeout_s)
+            except PeerEnded as e:
+                self.finish("peer_ended", str(e))
+            compute_outputs(meta, [g["ins"] for g in got], outs, len(members))
+            # The inputs of every rank are as recorded, yet this rank received
+            # something else: the live transfer corrupted it.
+            entry["out_match"] = all(torch.equal(o, r) for o, r in zip(outs, recorded))
+            if where is None and all(g["in_match"] for g in got) and not entry["out_match"]:
+                where = "communication"
+        else:
+            if self.exchange is not None:
+                self.from_record.append(list(key))
+            for o, r in zip(outs, recorded):
+                o.copy_(r)
+        if where and self.first_divergence is None:
             self.first_divergence = {"rank": self.rank, "step": meta["step"],
                                      "collective": {"group": key[0], "seq": key[1], "op": meta["op"]},
-                                     "where": "compute"}
-        if key in self.suspects:
-            self.inputs[key] = [t.detach().clone() for t in ins]
-        for o, r in zip(outs, self.window.outputs[key]):
-            o.copy_(r)
+                                     "where": where}
         return _done_work(outs)
 
     def step_end(self, rt, fp: dict) -> None:
@@ -85,9 +109,14 @@ class ReplayState:
     def finish(self, status: str, error: str | None = None):
         result = {"rank": self.rank, "status": status, "error": error, "from_step": self.from_step,
                   "to_step": self.to_step, "steps": self.steps, "colls": self.colls,
-                  "first_divergence": self.first_divergence, "inputs": self.inputs,
+                  "first_divergence": self.first_divergence,
+                  "coordinated": self.exchange is not None, "from_record": self.from_record,
                   "wall_ns": time.monotonic_ns() - self.t0}
         try:
+            if self.exchange is not None:
+                self.exchange.end(status)
+                if status == "done":
+                    result["state"] = training_state(self.rt)
             torch.save(result, self.result_file)
             self.result_file.flush()
         finally:

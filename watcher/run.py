@@ -282,7 +282,7 @@ def _crash_incident(cfg: RunConfig) -> dict | None:
 
 def _crash_replay(out: Path, rank: int, snap_step: int, to_step: int, inc_dir: Path, wait_s: float = 120) -> dict:
     reply_path = inc_dir / f"rank{rank}.crash_replay.json"
-    order = {"op": "replay", "to_step": to_step, "suspects": [],
+    order = {"op": "replay", "to_step": to_step,
              "result": str(inc_dir / f"rank{rank}.result.pt"), "log": str(inc_dir / f"rank{rank}.replay.log"),
              "sandbox_log": str(inc_dir / f"rank{rank}.sandbox.jsonl"), "reply": str(reply_path)}
     write_json(out / "runtime" / f"crash_replay.rank{rank}.step{snap_step}.json", order)

@@ -70,6 +70,7 @@ class WatchedGroup(dist.ProcessGroup):
         self.rt = runtime
         self.gid = gid
         self.seq = 0
+        self.ranks = list(range(inner.size()))  # global ranks by group rank; set by wrap()
 
     def _call(self, op: str, args: tuple):
         rt = self.rt
@@ -89,11 +90,14 @@ class WatchedGroup(dist.ProcessGroup):
             red = getattr(args[-1], "reduceOp", None) if args else None
             if red is not None:
                 meta["reduce_op"] = str(getattr(red, "op", red)).split(".")[-1]
+            root = getattr(args[-1], "rootRank", None) if args else None
+            if root is not None:
+                meta["root"] = root
         except Exception as e:
             rt.fail(e)
             return getattr(self.inner, op)(*args)
         if rt.mode == "replay":
-            return rt.replay.collective(rt, meta, ins, outs)
+            return rt.replay.collective(rt, meta, ins, outs, self.ranks)
         try:
             rt.before_collective(meta)
             rt.in_flight += 1
@@ -148,4 +152,7 @@ def wrap(inner: dist.ProcessGroup, runtime) -> WatchedGroup:
     for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag):
         if inner in table:
             table[w] = table[inner]
+    group_ranks = world.pg_group_ranks.get(inner)  # {global rank: group rank}
+    if group_ranks:
+        w.ranks = sorted(group_ranks, key=group_ranks.get)
     return w

@@ -78,6 +78,7 @@ class RankRuntime:
         self.in_flight = 0            # collectives issued and not completed
         self.exiting = False
         self.flushed_ns = 0
+        self.resnapshot = False
         self.param_sum = ParamChecksum()
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
@@ -319,6 +320,9 @@ class RankRuntime:
                 handle_incident(self, seq, info)
                 # The halt and the replay are not training time: no hang, no step-time sample.
                 self.last_end_ns = None
+                if self.resnapshot:  # recovered: the next replay starts from the recovered state
+                    self.resnapshot = False
+                    self.take_snapshot(k)
 
     def flush_logs(self, now_ns: int | None = None) -> None:
         self.steps_log.flush()

@@ -93,7 +93,7 @@ class SegmentWriter:
                 self.thread = threading.Thread(target=self._write_loop, name="watcher-window", daemon=True)
                 self.thread.start()
             self.sizes[self.segments[-1][1]] = self.sizes.get(self.segments[-1][1], 0) + size
-            parts = [_HEAD.pack(size - 2 * _HEAD.size, self.tag), *parts, _HEAD.pack(size, self.tag)]
+            parts = framed(parts, self.tag)
             self.queue.append((self.fd, self.offset, parts))
             self.offset += size
             if wake or len(self.queue) > 64:
@@ -129,6 +129,7 @@ class SegmentWriter:
         """Forget the segments before `from_step`.  The newest of them becomes
         the spare (renamed out of the readers' sight); the rest are deleted."""
         keep, dropped = [], []
+        current = self.current_path()
         for s, p in self.segments:
             (dropped if s < from_step else keep).append((s, p))
         self.segments = keep
@@ -137,7 +138,7 @@ class SegmentWriter:
                 size = self.sizes.pop(p, 0)
                 self.bytes -= size
                 spare = self.dir / f"rank{self.rank}.spare.pkl"
-                if recycle and i == len(dropped) - 1 and p != self.current_path():
+                if recycle and i == len(dropped) - 1 and p != current:
                     try:
                         self._unlink_spare()
                         os.rename(p, spare)
@@ -272,6 +273,12 @@ def encode(record, copy: bool = False) -> list:
         if t.numel():
             parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return parts
+
+
+def framed(parts: list, tag: int) -> list:
+    """An encoded record between its header and trailer (see above)."""
+    body = sum(len(p) for p in parts)
+    return [_HEAD.pack(body, tag), *parts, _HEAD.pack(body + 2 * _HEAD.size, tag)]
 
 
 def decode(f, tag: int):

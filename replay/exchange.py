@@ -1,0 +1,145 @@
+"""Collectives in a coordinated replay: the replay children are the network.
+
+In a coordinated replay every rank's child re-executes the window at once.
+At each collective a child appends its replayed inputs to its own exchange
+file (opened before the sandbox closed, the one file it may write), reads the
+same collective's inputs from its peers' files, and computes the outputs
+itself, in rank order.  Every child computes the same outputs from the same
+inputs, so the replay needs no process to reduce for it, and the outputs are
+the reduction of the *replayed* inputs: a corrupted contribution or a
+corrupted transfer of the live run does not come back.
+
+For 2 ranks a sum in rank order is bit-identical to gloo's (a + b == b + a);
+for more ranks gloo's ring order differs in rounding, and a replay is then
+exact only for integer or max/min reductions.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..runtime.window import decode, encode, framed
+
+TAG = 0x5843  # exchange files are never recycled; any fixed tag does
+REDUCED = {"allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base", "barrier"}
+
+
+class PeerLog:
+    """Records a peer child has appended so far, read as they arrive."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = None
+        self.records: dict = {}
+        self.ended = None
+
+    def poll(self) -> None:
+        if self.f is None:
+            try:
+                self.f = open(self.path, "rb")
+            except FileNotFoundError:
+                return
+        while True:
+            pos = self.f.tell()
+            try:
+                rec = decode(self.f, TAG)
+            except Exception:
+                rec = None
+            if rec is None:  # nothing more yet, or a record still being written
+                self.f.seek(pos)
+                return
+            if rec[0] == "end":
+                self.ended = rec[1]
+            else:
+                self.records[rec[1]] = rec[2]
+
+
+class Exchange:
+    def __init__(self, directory: Path, rank: int, world: int, fd: int):
+        self.rank, self.world = rank, world
+        self.fd = fd
+        self.peers = {r: PeerLog(exchange_path(directory, r)) for r in range(world) if r != rank}
+
+    def publish(self, key, payload: dict) -> None:
+        os.writev(self.fd, framed(encode(("x", key, payload)), TAG))
+
+    def end(self, status: str) -> None:
+        try:
+            os.writev(self.fd, framed(encode(("end", status)), TAG))
+        except OSError:
+            pass
+
+    def gather(self, key, mine: dict, members: list[int], timeout_s: float) -> list[dict]:
+        """The payload for `key` of every member of its group (global ranks, in group-rank order)."""
+        self.publish(key, mine)
+        peers = {r: self.peers[r] for r in members if r != self.rank}
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0002
+        while True:
+            for p in peers.values():
+                p.poll()
+            if all(key in p.records for p in peers.values()):
+                return [mine if r == self.rank else peers[r].records.pop(key) for r in members]
+            gone = [r for r, p in peers.items() if p.ended is not None and key not in p.records]
+            if gone:
+                raise PeerEnded(f"rank {gone[0]}'s replay ended ({self.peers[gone[0]].ended}) before collective {key}")
+            if time.monotonic() > deadline:
+                raise PeerEnded(f"no replayed inputs for collective {key} from every rank in {timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+
+class PeerEnded(RuntimeError):
+    pass
+
+
+def exchange_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.xchg"
+
+
+def compute_outputs(meta: dict, inputs: list[list[torch.Tensor]], outs: list[torch.Tensor], world: int) -> bool:
+    """Write into `outs` what the collective delivers given every rank's
+    inputs.  False for an op this module cannot compute."""
+    op = meta["op"]
+    if op == "barrier":
+        return True
+    if op in ("allreduce", "allreduce_coalesced"):
+        red = meta.get("reduce_op") or "SUM"
+        for i, o in enumerate(outs):
+            acc = inputs[0][i].clone()
+            for r in range(1, world):
+                t = inputs[r][i]
+                if red in ("SUM", "AVG"):
+                    acc += t
+                elif red == "MAX":
+                    torch.maximum(acc, t, out=acc)
+                elif red == "MIN":
+                    torch.minimum(acc, t, out=acc)
+                elif red == "PRODUCT":
+                    acc *= t
+                else:
+                    return False
+            if red == "AVG":
+                acc /= world
+            o.copy_(acc)
+        return True
+    if op == "broadcast":
+        root = meta.get("root")
+        if root is None:
+            return False
+        for o, t in zip(outs, inputs[root]):
+            o.copy_(t)
+        return True
+    if op == "allgather":
+        # outputs flattened as [input 0 from ranks 0..n-1, input 1 from ranks 0..n-1, ...]
+        for i, o in enumerate(outs):
+            o.copy_(inputs[i % world][i // world])
+        return True
+    if op == "_allgather_base":
+        outs[0].copy_(torch.cat([inputs[r][0].reshape(-1) for r in range(world)]).view_as(outs[0]))
+        return True
+    return False
