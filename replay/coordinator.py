@@ -35,7 +35,8 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
     inc_dir = rt.run_dir / "incidents" / info["incident_id"]
     inc_dir.mkdir(parents=True, exist_ok=True)
     t_halt = time.monotonic_ns()
-    rt.seg.flush()  # the replays and the verdict read every rank's window from disk
+    rt.seg.flush()  # the replays and the verdict read every rank's window and logs from disk
+    rt.flush_logs()
     write_json(inc_dir / f"arrive.rank{rt.rank}.json",
                {"rank": rt.rank, "step": k, "snapshots": [s.step for s in rt.snapshots], "pid": os.getpid(),
                 "unsupported": rt.unsupported})
@@ -248,7 +249,7 @@ def make_plan(rt, info: dict, inc_dir: Path) -> dict:
         why = f"snapshot {cand} is not verified: ranks disagree on the parameters"
     # The replay runs to where the ranks halted, so that under --policy
     # recover its end state is the live ranks' state, recomputed.
-    halt = min(a["step"] for a in arrivals)
+    halt = min(a["step"] for a in arrivals) if info["kind"] != "replay_check" else k
     plan = {"failing_step": k, "from_step": v, "to_step": max(k, halt), "reason": None if v is not None else why}
     if v is None:
         return plan

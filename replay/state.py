@@ -19,6 +19,7 @@ import traceback
 
 import torch
 
+from ..runtime.checksum import tensors_sum
 from ..runtime.collectives import _done_work
 from ..runtime.window import END_OF_DATA
 from .exchange import REDUCED, PeerEnded, compute_outputs
@@ -78,7 +79,7 @@ class ReplayState:
             compute_outputs(meta, [g["ins"] for g in got], outs, len(members))
             # The inputs of every rank are as recorded, yet this rank received
             # something else: the live transfer corrupted it.
-            entry["out_match"] = all(torch.equal(o, r) for o, r in zip(outs, recorded))
+            entry["out_match"] = tensors_sum(outs) == tensors_sum(recorded)  # bits: NaN outputs can match
             if where is None and all(g["in_match"] for g in got) and not entry["out_match"]:
                 where = "communication"
         else:

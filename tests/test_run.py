@@ -161,18 +161,25 @@ def test_killed_watcher_leaves_training_running_to_a_correct_finish(tmp_path, pl
 @needs_bpf
 def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
     out = tmp_path / "drills.json"
-    p = watcher("drill", "--steps", "18", "--out", str(tmp_path / "d"), "--json", str(out), timeout=900)
+    p = watcher("drill", "--steps", "22", "--out", str(tmp_path / "d"), "--json", str(out), timeout=1200)
     card = json.loads(out.read_text())["scenarios"]
     by = {row["scenario"]: row for row in card}
-    assert set(by) == {"grad_bitflip", "allreduce_corrupt", "stall", "nan_op", "lr_spike", "bad_cores", "segv"}
+    assert set(by) == {"grad_bitflip", "allreduce_corrupt", "stall", "merge_bitflip", "two_transients",
+                       "nan_op", "lr_spike", "bad_cores", "segv"}
     failed = [r for r in card if not r["pass"]]
     assert not failed, f"{failed}\n{p.stdout}\n{p.stderr[-3000:]}"
     assert p.returncode == 0
     assert by["grad_bitflip"]["localised"] == "rank 1 step 12 allreduce compute"
     assert by["allreduce_corrupt"]["localised"] == "rank 1 step 12 allreduce communication"
     assert by["stall"]["localised"] == "rank 1 step 12 allreduce"
-    for name in ("grad_bitflip", "allreduce_corrupt", "stall"):
-        assert by[name]["classification"] == "transient"
+    # Track A: every transient recovered in place, no step lost, and the final
+    # parameters are bit-identical to the fault-free baseline run's.
+    for name in ("grad_bitflip", "allreduce_corrupt", "stall", "merge_bitflip", "two_transients"):
+        row = by[name]
+        assert (row["classification"], row["recovered"], row["steps_lost"], row["bit_identical"], row["exit_code"]) \
+            == ("transient", True, 0, True, 0), row
+    assert by["two_transients"]["incidents"] == 2
+    assert by["merge_bitflip"]["merge_retried"] is True  # the corrupted merge was caught and redone
     for name in ("nan_op", "lr_spike", "bad_cores", "segv"):
         assert by[name]["classification"] == "persistent"
 

@@ -1,8 +1,10 @@
 """`watcher drill`: inject known faults into the reference workload and score Watcher.
 
-Each scenario is one `watcher run` of the 2-rank reference job with one fault
-(see watcher.runtime.inject).  The scorecard compares what Watcher concluded
-with the fault that was injected; only this module knows both.
+Each scenario is one `watcher run --policy recover` of the 2-rank reference
+job with one fault, or two (see watcher.runtime.inject).  The scorecard
+compares what Watcher concluded with the fault that was injected (only this
+module knows both) and, for transient faults, whether training recovered: no
+step lost and final parameters bit-identical to a fault-free run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from .run import RunConfig, run
 
 FAULT_STEP = 12
 FAULT_RANK = 1
+SECOND_STEP, SECOND_RANK = 18, 0  # the second fault of two_transients
+MIN_STEPS = SECOND_STEP + 4
 
 
 @dataclass
@@ -30,6 +34,8 @@ class Scenario:
     classification: str
     where: str | None = None       # compute | communication | stall | crash
     detect: dict = field(default_factory=dict)
+    also: list = field(default_factory=list)  # further faults in the same run (with their own rank/step)
+    incidents: int = 1                         # how many incidents the faults make
 
 
 SCENARIOS = [
@@ -38,6 +44,12 @@ SCENARIOS = [
              "transient", "communication"),
     Scenario("stall", {"scenario": "stall", "seconds": 4}, ("hang",), "transient", "stall",
              detect={"hang_seconds": 1.5}),
+    # A fault during the recovery itself: the merged copy gets a flipped bit.
+    Scenario("merge_bitflip", {"scenario": "grad_bitflip"}, ("non_finite", "loss_spike"), "transient", "compute",
+             also=[{"scenario": "merge_bitflip", "rank": FAULT_RANK, "step": FAULT_STEP}]),
+    # Two transients in one run, on different ranks and steps.
+    Scenario("two_transients", {"scenario": "grad_bitflip"}, ("non_finite", "loss_spike"), "transient", "compute",
+             also=[{"scenario": "allreduce_corrupt", "rank": SECOND_RANK, "step": SECOND_STEP}], incidents=2),
     Scenario("nan_op", {"scenario": "nan_op"}, ("non_finite",), "persistent"),
     Scenario("lr_spike", {"scenario": "lr_spike", "factor": 1000.0}, ("loss_spike", "non_finite"), "persistent"),
     Scenario("bad_cores", {"scenario": "bad_cores", "factor": 1e4}, ("loss_spike", "non_finite"), "persistent"),
@@ -80,6 +92,20 @@ def score(s: Scenario, incidents: list[dict]) -> dict:
         row["localised"] = f"rank {inc.get('detected_rank')} step {inc.get('detected_step')}"
     row["pass"] = bool(inc["kind"] in s.kinds and inc.get("classification") == s.classification
                        and (loc is None or loc))
+    if s.classification == "transient":
+        # Recovered, every time: every incident of the run, no step lost.
+        row["incidents"] = len(incidents)
+        row["recovered"] = all(i.get("recovered") for i in incidents)
+        row["steps_lost"] = sum(i.get("steps_lost") or 0 for i in incidents) if row["recovered"] else None
+        row["resume_s"] = max(((i.get("recovery") or {}).get("detect_to_resume_s") or 0) for i in incidents)
+        row["merge_retried"] = any((i.get("recovery") or {}).get("retried") for i in incidents)
+        row["pass"] = row["pass"] and row["recovered"] and len(incidents) == s.incidents
+        if len(incidents) > 1:
+            second = incidents[1].get("replay", {}).get("first_divergence") or {}
+            row["pass"] = row["pass"] and second.get("rank") == SECOND_RANK and second.get("step") == SECOND_STEP \
+                and all(i.get("classification") == "transient" for i in incidents)
+        if s.name == "merge_bitflip":
+            row["pass"] = row["pass"] and row["merge_retried"]
     return row
 
 
@@ -88,8 +114,8 @@ def run_drills(which: str, steps: int, out: Path, json_out: Path | None) -> int:
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise UsageError(f"unknown scenario {unknown[0]!r}; choose from all, {', '.join(BY_NAME)}")
-    if steps < FAULT_STEP + 4:
-        raise UsageError(f"--steps must be at least {FAULT_STEP + 4} (faults fire at step {FAULT_STEP})")
+    if steps < MIN_STEPS:
+        raise UsageError(f"--steps must be at least {MIN_STEPS} (faults fire at steps {FAULT_STEP} and {SECOND_STEP})")
     out.mkdir(parents=True, exist_ok=False)
     base_dir = out / "baseline"
     print(f"drill: fault-free baseline ({steps} steps)", file=sys.stderr, flush=True)
@@ -97,21 +123,23 @@ def run_drills(which: str, steps: int, out: Path, json_out: Path | None) -> int:
     rows = []
     for name in names:
         s = BY_NAME[name]
-        inject = dict(s.inject, rank=FAULT_RANK, step=FAULT_STEP)
+        inject = [dict(s.inject, rank=FAULT_RANK, step=FAULT_STEP), *s.also]
         if name == "nan_op":
-            inject["batch_sum"] = _batch_sum(base_dir, FAULT_RANK, FAULT_STEP)
+            inject[0]["batch_sum"] = _batch_sum(base_dir, FAULT_RANK, FAULT_STEP)
         if name == "bad_cores":
-            inject["cpus"] = sorted(os.sched_getaffinity(0))
+            inject[0]["cpus"] = sorted(os.sched_getaffinity(0))
         run_dir = out / name
         print(f"drill: {name}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        res = run(RunConfig(cmd=_job(steps, run_dir), out=run_dir, policy="observe", snapshot_interval=4,
+        res = run(RunConfig(cmd=_job(steps, run_dir), out=run_dir, policy="recover", snapshot_interval=4,
                             detect=s.detect, inject=inject, quiet=True))
         row = score(s, res.incidents)
         row["wall_s"] = round(time.monotonic() - t0, 1)
         row["exit_code"] = res.exit_code
         sha = _final_sha(run_dir)
         row["bit_identical"] = (sha == _final_sha(base_dir)) if sha else None
+        if s.classification == "transient":
+            row["pass"] = row["pass"] and row["bit_identical"] is True and res.exit_code == 0
         rows.append(row)
     _print(rows)
     if json_out:
@@ -126,7 +154,8 @@ def _batch_sum(run_dir: Path, rank: int, step: int) -> int:
 
 
 def _print(rows: list[dict]) -> None:
-    cols = ("scenario", "detected", "classification", "localised", "replay_exact", "bit_identical", "pass")
+    cols = ("scenario", "detected", "classification", "localised", "recovered", "steps_lost", "resume_s",
+            "bit_identical", "pass")
     table = [cols] + [tuple("-" if r.get(c) is None else str(r.get(c)) for c in cols) for r in rows]
     widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
     for t in table:

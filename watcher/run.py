@@ -46,7 +46,7 @@ class RunConfig:
     snapshot_budget: float = 1.0        # percent of step time
     snapshot_interval: int | None = None
     detect: dict = field(default_factory=dict)
-    inject: dict | None = None          # drills only
+    inject: dict | list | None = None   # drills only: one fault or several
     replay_check: int | None = None     # replay the window ending at this step, healthy or not
     quiet: bool = False
 

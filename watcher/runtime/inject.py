@@ -15,7 +15,11 @@ Scenarios (all take "rank" and "step"):
   nan_op            GELU outputs NaN whenever the batch has checksum `batch_sum` (persistent, data)
   bad_cores         a Linear's output is scaled by `factor` while the rank runs on CPUs `cpus` (persistent, device)
   segv              SIGSEGV at the start of `step` (persistent crash)
+  merge_bitflip     flip the top exponent bit of one parameter right after a recovery merge, `times`
+                    merges in a row (default 1; a fault during recovery itself)
   runtime_bug       an exception inside Watcher's own batch hook (tests fail-open)
+
+WATCHER_INJECT holds one fault or a JSON list of them (two transients in one run).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 
 import torch
 
-SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "lr_spike", "nan_op", "bad_cores", "segv")
+SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "lr_spike", "nan_op", "bad_cores", "segv", "merge_bitflip")
 
 
 def _flip_top_exponent_bit(t: torch.Tensor) -> None:
@@ -40,14 +44,22 @@ def arm(rt) -> None:
     raw = os.environ.get("WATCHER_INJECT")
     if not raw:
         return
-    f = json.loads(raw)
+    faults = json.loads(raw)
+    for f in faults if isinstance(faults, list) else [faults]:
+        _arm_one(rt, f)
+
+
+def _arm_one(rt, f: dict) -> None:
     kind, rank, step = f["scenario"], f.get("rank", 0), f.get("step", 0)
-    if rt.rank != rank and kind != "lr_spike":  # a learning rate is the same on every rank
-        return
     fired = {"n": 0}
 
+    def mine() -> bool:
+        # Asked when the fault would fire, not now: some launchers (Lightning)
+        # let a rank learn its rank only when the process group forms.
+        return rt.rank == rank or kind == "lr_spike"  # a learning rate is the same on every rank
+
     def once() -> bool:
-        if rt.mode != "live" or fired["n"]:
+        if rt.mode != "live" or fired["n"] or not mine():
             return False
         fired["n"] = 1
         return True
@@ -71,7 +83,7 @@ def arm(rt) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         def pre(opt, args, kwargs):
-            if rt.step + 1 != step or opt is not rt.main_opt:
+            if rt.step + 1 != step or opt is not rt.main_opt or not mine():
                 return
             if kind == "segv":
                 os.kill(os.getpid(), signal.SIGSEGV)
@@ -85,7 +97,7 @@ def arm(rt) -> None:
 
         def batch_hook(rt_, batch):
             from .checksum import object_sum
-            rt_._inject_poisoned = object_sum(batch) == target
+            rt_._inject_poisoned = mine() and object_sum(batch) == target
             return batch
         rt.fault_hooks.append(("batch", batch_hook))
 
@@ -103,16 +115,24 @@ def arm(rt) -> None:
         factor = float(f.get("factor", 1e4))
 
         def fwd(module, inputs, output):
-            if (rt.step + 1 >= step and isinstance(module, torch.nn.Linear)
+            if (rt.step + 1 >= step and mine() and isinstance(module, torch.nn.Linear)
                     and set(os.sched_getaffinity(0)) <= bad and getattr(module, "out_features", 0) == 256):
                 return output * factor
             return None
         register_module_forward_hook(fwd)
+    elif kind == "merge_bitflip":
+        left = {"n": int(f.get("times", 1))}  # times=2 corrupts the retry as well
+
+        def hook(rt_, params):
+            if params and rt_.mode == "live" and left["n"] > 0 and mine():
+                left["n"] -= 1
+                _flip_top_exponent_bit(params[0])
+        rt.fault_hooks.append(("after_merge", hook))
     elif kind == "runtime_bug":
         # Not a training fault: an exception inside Watcher's own hook, to
         # prove that Watcher then gets out of the way and training goes on.
         def boom(rt_, batch):
-            if rt_.step + 1 == step and rt_.mode == "live":
+            if rt_.step + 1 == step and rt_.mode == "live" and mine():
                 raise RuntimeError("injected failure inside a Watcher hook")
             return batch
         rt.fault_hooks.append(("batch", boom))

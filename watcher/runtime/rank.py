@@ -173,7 +173,7 @@ class RankRuntime:
             try:
                 batch = orig(it)
             except StopIteration:
-                _guard(lambda rt: rt.seg.put(("batch", idx, END_OF_DATA), wake=True))()
+                _guard(lambda rt: rt.seg.put(("batch", idx, END_OF_DATA)))()
                 raise
         try:
             for stage, fn in self.fault_hooks:
@@ -299,14 +299,11 @@ class RankRuntime:
                 # What the previous snapshot cost in memory over one interval:
                 # the pages the rank rewrote since, now private to the snapshot.
                 fp["prev_snapshot_private_mb"] = _private_mb(self.snapshots[-2].pid)
-        self.seg.put(("step", fp), wake=True)
+        self.seg.put(("step", fp))
         self.steps_log.write(json.dumps(fp) + "\n")
-        if fp["ts"] - self.flushed_ns > 500_000_000:
-            # The logs reach the file at least every 0.5 s (and at every
-            # snapshot, incident and exit), not every step: a write per step is
-            # a syscall the recorder traces too.  The beacons carry each rank's
-            # latest step in the meantime.
-            self.flush_logs(fp["ts"])
+        # Every step reaches the file at once: a rank killed by a signal
+        # flushes nothing, and its last steps are what a crash report needs.
+        self.flush_logs(fp["ts"])
         if open_incident:
             seq = self.ctl.incident_seq
             info = self.ctl.incident(seq)

@@ -70,12 +70,12 @@ class SegmentWriter:
             self.tag, self.offset = from_step, 0
             self.truncated = False
 
-    def put(self, record: tuple, copy: bool = False, wake: bool = False) -> None:
+    def put(self, record: tuple, copy: bool = False) -> None:
         """Queue a record; a writer thread writes it (os.pwritev releases the
         GIL, so training does not wait for the copy into the page cache).  The
-        thread is woken once a step (`wake`, with the step's last record), not
-        per record: each wake-up is a GIL hand-off in the middle of training.
-        A rank that crashes loses at most the records still queued."""
+        thread is woken for every record: a rank killed by a signal loses what
+        is still queued, and a crash replay needs the crashing step's batch
+        and collectives.  A rank that crashes loses at most those records."""
         if self.fd is None:
             return
         parts = encode(record, copy)
@@ -96,8 +96,7 @@ class SegmentWriter:
             parts = framed(parts, self.tag)
             self.queue.append((self.fd, self.offset, parts))
             self.offset += size
-            if wake or len(self.queue) > 64:
-                self.wake.notify()
+            self.wake.notify()
 
     def _write_loop(self) -> None:
         while True:

@@ -104,6 +104,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", metavar="PATH", help="rank 0 saves state_dict here and its sha256 to PATH.sha256")
     p.add_argument("--log-every", type=int, default=0, metavar="N", help="print loss every N steps on rank 0")
     p.add_argument("--step-times", metavar="PATH", help="append per-step wall times (ns) as JSON lines to PATH.rank<r>")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="checkpoint-restart baseline: resume from DIR/ckpt.pt if it exists, and save there "
+                        "every --checkpoint-every steps")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N")
+    p.add_argument("--fail-at", type=int, metavar="STEP",
+                   help="checkpoint-restart baseline: rank --fail-rank exits 1 at the end of STEP, as a job "
+                        "that detects a NaN and aborts would (the time goes to DIR/failed_at)")
+    p.add_argument("--fail-rank", type=int, default=1)
     return p.parse_args(argv)
 
 
@@ -138,9 +146,20 @@ def main(argv=None) -> int:
     # Line-buffered, so a benchmark can follow the steps while the job runs.
     times = open(f"{args.step_times}.rank{rank}", "a", buffering=1) if args.step_times else None
     step = 0
-    for epoch in range(math.ceil(args.steps / max(len(loader), 1))):
+    ckpt = os.path.join(args.checkpoint, "ckpt.pt") if args.checkpoint else None
+    if ckpt and os.path.exists(ckpt):
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        step = state["step"]
+    skip = step % max(len(loader), 1)  # batches of the resumed epoch already trained on
+    for epoch in range(step // max(len(loader), 1), math.ceil(args.steps / max(len(loader), 1))):
         sampler.set_epoch(epoch)
         for x, y in loader:
+            if skip:
+                skip -= 1
+                continue
             if step >= args.steps:
                 break
             t0 = time.perf_counter_ns()
@@ -154,7 +173,17 @@ def main(argv=None) -> int:
                                         "end": time.monotonic_ns()}) + "\n")
             if args.log_every and rank == 0 and step % args.log_every == 0:
                 print(f"step {step} loss {loss.item():.4f}", flush=True)
+            if ckpt and args.fail_at == step and rank == args.fail_rank:
+                with open(os.path.join(args.checkpoint, "failed_at"), "w") as f:
+                    f.write(str(time.monotonic_ns()))
+                os._exit(1)
             step += 1
+            if ckpt and step % args.checkpoint_every == 0:
+                if rank == 0:
+                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "rng": torch.get_rng_state(), "step": step}, ckpt + ".tmp")
+                    os.replace(ckpt + ".tmp", ckpt)
+                dist.barrier() if distributed else None  # nobody fails past a checkpoint not yet on disk
     if times:
         times.close()
 

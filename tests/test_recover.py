@@ -1,0 +1,83 @@
+"""Track A: a transient fault is recovered in place under `watcher run`'s
+default policy.  The ground truth is a fault-free run of the same job: the
+recovered run must end with bit-identical parameters, run every step exactly
+once, in the same two rank processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import ROOT, needs_bpf, query
+from .test_run import LIGHTNING, STEPS, plain, plain_reference, reference  # noqa: F401 (fixture)
+
+FAULT = {"scenario": "grad_bitflip", "rank": 1, "step": 9}
+
+
+def run_with(tmp: Path, faults, *cmd: str) -> subprocess.CompletedProcess:
+    """`watcher run` with drill faults: only the library API injects them
+    (the CLI never passes a stray WATCHER_INJECT on to a job)."""
+    code = ("import json, sys; from pathlib import Path; from watcher.run import RunConfig, run; "
+            "a = json.loads(sys.argv[1]); "
+            "r = run(RunConfig(cmd=a['cmd'], out=Path(a['out']), snapshot_interval=4, inject=a['faults'], quiet=True)); "
+            "sys.exit(r.exit_code)")
+    arg = json.dumps({"cmd": list(cmd), "out": str(tmp / "run"), "faults": faults})
+    return subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+@needs_bpf
+def test_bitflip_recovers_in_place_with_no_step_lost(tmp_path, plain_reference):
+    p = run_with(tmp_path, FAULT, *reference(tmp_path / "w.pt"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "w.pt.sha256").read_text() == plain_reference  # as if the fault never happened
+    run = tmp_path / "run"
+    inc = json.loads((run / "incidents" / "inc-0001.json").read_text())
+    assert (inc["kind"], inc["detected_step"], inc["classification"]) == ("non_finite", 9, "transient")
+    assert inc["replay"]["first_divergence"]["rank"] == 1
+    assert inc["replay"]["first_divergence"]["where"] == "compute"
+    assert (inc["recovered"], inc["resumed_at_step"], inc["steps_lost"]) == (True, 11, 0)
+    assert inc["window"] == {"from_step": 8, "to_step": 10}
+    assert [m["tries"] for m in inc["recovery"]["merged"]] == [1, 1]
+    rec = run / "recording.duckdb"
+    # The same two rank processes from the first step to the last: nothing restarted.
+    ranks = query(rec, "SELECT rank, pid, exit_code FROM process WHERE rank IS NOT NULL AND cmdline LIKE '%ddp_lm%' "
+                       "AND exe IS NOT NULL ORDER BY rank")
+    assert [(r, c) for r, _, c in ranks] == [(0, 0), (1, 0)]
+    halted = {r: json.loads((run / "incidents" / "inc-0001" / f"arrive.rank{r}.json").read_text())["pid"]
+              for r in (0, 1)}
+    assert {r: pid for r, pid, _ in ranks} == halted
+    # Every step exactly once per rank; the recovered steps carry the replayed values.
+    assert query(rec, "SELECT rank, count(*), count(DISTINCT step), min(step), max(step) FROM step "
+                      "GROUP BY 1 ORDER BY 1") == [(0, STEPS, STEPS, 0, STEPS - 1), (1, STEPS, STEPS, 0, STEPS - 1)]
+    assert query(rec, "SELECT count(*) FROM step WHERE NOT isfinite(grad_norm) OR NOT isfinite(loss)") == [(0,)]
+    assert query(rec, "SELECT recovered FROM incident") == [(True,)]
+    # No checkpoint anywhere: the only state file of the job is its final save.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "w.pt", "w.pt.sha256"]
+
+
+@needs_bpf
+def test_a_merge_corrupted_twice_stops_cleanly_with_the_reason(tmp_path):
+    faults = [FAULT, {"scenario": "merge_bitflip", "rank": 1, "step": 9, "times": 2}]
+    p = run_with(tmp_path, faults, *reference(tmp_path / "w.pt"))
+    assert p.returncode == 1, p.stderr  # torchrun's code for "a rank failed": both stopped by Watcher (75, below)
+    inc = json.loads((tmp_path / "run" / "incidents" / "inc-0001.json").read_text())
+    assert inc["classification"] == "transient" and inc["recovered"] is False
+    assert inc["recovery"]["reason"].startswith("rank 1: merged parameters have checksum")
+    assert [m["tries"] for m in inc["recovery"]["merged"]] == [1, 2]
+    rec = tmp_path / "run" / "recording.duckdb"
+    assert query(rec, "SELECT rank, exit_code FROM process WHERE rank IS NOT NULL AND cmdline LIKE '%ddp_lm%' "
+                      "AND exe IS NOT NULL ORDER BY rank") == [(0, 75), (1, 75)]
+    assert not (tmp_path / "w.pt").exists()
+
+
+@needs_bpf
+def test_lightning_bitflip_recovers_bit_identically(tmp_path):
+    plain([sys.executable, LIGHTNING, "--steps", "20", "--save", str(tmp_path / "plain.sha")], tmp_path)
+    p = run_with(tmp_path, {"scenario": "grad_bitflip", "rank": 1, "step": 13},
+                 sys.executable, LIGHTNING, "--steps", "20", "--save", str(tmp_path / "w.sha"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "w.sha").read_text() == (tmp_path / "plain.sha").read_text()
+    inc = json.loads((tmp_path / "run" / "incidents" / "inc-0001.json").read_text())
+    assert (inc["classification"], inc["recovered"], inc["steps_lost"]) == ("transient", True, 0)
