@@ -7,6 +7,7 @@
 | sdc        | replicas disagree: parameter checksums differ across ranks under DDP   | on      |
 | hang       | no step end for max(T, K * median step time)                           | T=300 s, K=20 |
 | crash      | a rank exits non-zero or by signal (seen by `watcher run`)             | on      |
+| repeated transients | the Nth transient on one rank within W steps is escalated to persistent (hardware suspect) instead of recovered again | N=3, W=1000 |
 
 Each is set through WATCHER_DETECT (JSON), e.g. {"loss_spike_z": 12, "hang_seconds": 60},
 which `watcher run --detect KEY=VALUE` fills in.
@@ -30,6 +31,8 @@ class Detectors:
     sdc: bool = True
     hang_seconds: float = 300.0
     hang_factor: float = 20.0
+    transient_limit: int = 3
+    transient_window: int = 1000
     history: list = field(default_factory=list, repr=False)
 
     @classmethod

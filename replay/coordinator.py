@@ -287,7 +287,7 @@ def incident_doc(incident_id: str, kind: str, step, rank, ts, detail, from_step,
             "replay": None if reason is None else {"reproduced": None, "first_divergence": None, "reason": reason},
             "classification": None, "track": None, "transient_cause": None, "attribution": None,
             "causal_chain": None, "prescription": None, "recovered": False, "resumed_at_step": None,
-            "steps_lost": None, "snapshot": None}
+            "steps_lost": None, "recovery": None, "escalated": None, "snapshot": None}
 
 
 def unclassified(info: dict, plan: dict, reason: str) -> dict:
@@ -357,8 +357,34 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
         cause = ("communication" if div and div["where"] == "communication" else "bit_flip" if div else
                  "timeout" if info["kind"] == "hang" else "unknown")
         verdict.update(classification="transient", track="A", transient_cause=cause)
-        verdict["recovery"] = recoverable(rt, plan, results)
+        suspect = div["rank"] if div else stall["rank"] if stall else None
+        repeats = earlier_transients(rt, suspect, info["failing_step"]) if suspect is not None else []
+        if len(repeats) + 1 >= rt.detectors.transient_limit:
+            # The same rank keeps failing: not bad luck but a bad device.
+            verdict.update(classification="persistent", track="B", transient_cause=None,
+                           escalated={"rank": suspect, "transients": repeats + [info["incident_id"]],
+                                      "reason": f"{len(repeats) + 1} transients on rank {suspect} within "
+                                                f"{rt.detectors.transient_window} steps: hardware suspect"},
+                           snapshot={"from_step": plan["from_step"], "retained": True})
+        else:
+            verdict["recovery"] = recoverable(rt, plan, results)
     return verdict
+
+
+def earlier_transients(rt, rank: int, step: int) -> list[str]:
+    """Earlier incidents of this run classified transient and pinned on `rank`, within the window."""
+    found = []
+    for p in sorted((rt.run_dir / "incidents").glob("inc-*.json")):
+        try:
+            inc = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        rep = inc.get("replay") or {}
+        where = rep.get("first_divergence") or rep.get("stall") or {}
+        if (inc.get("classification") == "transient" and where.get("rank") == rank
+                and step - (inc.get("detected_step") or 0) <= rt.detectors.transient_window):
+            found.append(inc["incident_id"])
+    return found
 
 
 def recoverable(rt, plan: dict, results: list[dict]) -> dict:

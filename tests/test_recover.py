@@ -16,14 +16,15 @@ from .test_run import LIGHTNING, STEPS, plain, plain_reference, reference  # noq
 FAULT = {"scenario": "grad_bitflip", "rank": 1, "step": 9}
 
 
-def run_with(tmp: Path, faults, *cmd: str) -> subprocess.CompletedProcess:
+def run_with(tmp: Path, faults, *cmd: str, detect=None) -> subprocess.CompletedProcess:
     """`watcher run` with drill faults: only the library API injects them
     (the CLI never passes a stray WATCHER_INJECT on to a job)."""
     code = ("import json, sys; from pathlib import Path; from watcher.run import RunConfig, run; "
             "a = json.loads(sys.argv[1]); "
-            "r = run(RunConfig(cmd=a['cmd'], out=Path(a['out']), snapshot_interval=4, inject=a['faults'], quiet=True)); "
+            "r = run(RunConfig(cmd=a['cmd'], out=Path(a['out']), snapshot_interval=4, inject=a['faults'], "
+            "detect=a['detect'], quiet=True)); "
             "sys.exit(r.exit_code)")
-    arg = json.dumps({"cmd": list(cmd), "out": str(tmp / "run"), "faults": faults})
+    arg = json.dumps({"cmd": list(cmd), "out": str(tmp / "run"), "faults": faults, "detect": detect or {}})
     return subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
@@ -81,3 +82,17 @@ def test_lightning_bitflip_recovers_bit_identically(tmp_path):
     assert (tmp_path / "w.sha").read_text() == (tmp_path / "plain.sha").read_text()
     inc = json.loads((tmp_path / "run" / "incidents" / "inc-0001.json").read_text())
     assert (inc["classification"], inc["recovered"], inc["steps_lost"]) == ("transient", True, 0)
+
+
+@needs_bpf
+def test_repeated_transients_on_one_rank_are_escalated_not_recovered_forever(tmp_path):
+    faults = [FAULT, {"scenario": "grad_bitflip", "rank": 1, "step": 13}]
+    p = run_with(tmp_path, faults, *reference(tmp_path / "w.pt"), detect={"transient_limit": 2})
+    assert p.returncode == 1, p.stderr  # the second one stops the run (ranks exit 75)
+    first, second = (json.loads((tmp_path / "run" / "incidents" / f"inc-000{i}.json").read_text()) for i in (1, 2))
+    assert (first["detected_step"], first["classification"], first["recovered"]) == (9, "transient", True)
+    assert (second["detected_step"], second["classification"], second["recovered"]) == (13, "persistent", False)
+    assert second["replay"]["first_divergence"]["rank"] == 1
+    assert second["escalated"]["rank"] == 1
+    assert second["escalated"]["transients"] == ["inc-0001", "inc-0002"]
+    assert "hardware suspect" in second["escalated"]["reason"]

@@ -400,7 +400,8 @@ def ingest(out: Path) -> list[dict]:
                          div.get("rank"), div.get("step"),
                          f"{c.get('group')}/{c.get('seq')} {c.get('op')}" if c else None, div.get("where"),
                          inc.get("classification"), inc.get("track"), inc.get("transient_cause"),
-                         inc.get("recovered"), json.dumps(inc)))
+                         inc.get("recovered"), inc.get("resumed_at_step"), inc.get("steps_lost"),
+                         ((inc.get("recovery") or {}).get("detect_to_resume_s")), json.dumps(inc)))
         for log in sorted((out / "incidents" / inc["incident_id"]).glob("rank*.sandbox.jsonl")):
             rank = int(log.name[4:].split(".")[0])
             with open(log) as f:

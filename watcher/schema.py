@@ -241,6 +241,9 @@ TABLES: tuple[Table, ...] = (
         C("track", "VARCHAR", "A (recover) or B (diagnose)."),
         C("transient_cause", "VARCHAR", "bit_flip, communication, timeout or unknown."),
         C("recovered", "BOOLEAN", "Was the verified state merged back into the live run?"),
+        C("resumed_at_step", "INTEGER", "After a recovery: the first step the live run trained on the recovered state."),
+        C("steps_lost", "INTEGER", "After a recovery: steps that had to be trained again (0: the replay recomputed them)."),
+        C("detect_to_resume_s", "DOUBLE", "After a recovery: seconds from detection to the live ranks running again."),
         C("json", "VARCHAR", "The whole incident document."),
     )),
     Table("sandbox_event", "Calls a replay made on the live job's descriptors or the network, and what the sandbox did.", (
