@@ -90,7 +90,7 @@ class Exchange:
             if time.monotonic() > deadline:
                 raise PeerEnded(f"no replayed inputs for collective {key} from every rank in {timeout_s:.0f} s")
             time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            delay = min(delay * 2, 0.001)  # peers replay in lockstep: waits are short
 
 
 class PeerEnded(RuntimeError):
