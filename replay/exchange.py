@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.collectives import COMPUTED_IN_REPLAY as REDUCED
 from ..runtime.window import decode, encode, framed
-
 TAG = 0x5843  # exchange files are never recycled; any fixed tag does
-REDUCED = {"allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base", "barrier"}
 
 
 class PeerLog:
@@ -91,6 +90,18 @@ class Exchange:
                 raise PeerEnded(f"no replayed inputs for collective {key} from every rank in {timeout_s:.0f} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.001)  # peers replay in lockstep: waits are short
+
+
+def end_for(directory, rank: int, status: str) -> None:
+    """Append an end record to `rank`'s exchange file (from its supervisor)."""
+    try:
+        fd = os.open(exchange_path(directory, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError:
+        return
+    try:
+        os.writev(fd, framed(encode(("end", status)), TAG))
+    finally:
+        os.close(fd)
 
 
 class PeerEnded(RuntimeError):

@@ -244,6 +244,12 @@ def _serve(rt, k: int, cmd_r: int, resp_w: int):
         status = _supervise(sandbox, pid, listener_r, order)
         os.close(listener_r)
         code = os.waitstatus_to_exitcode(status) if status is not None else None
+        if order.get("exchange"):
+            # A replay killed by a signal said nothing to its peers: say it
+            # for it, so no peer waits out its timeout for inputs never coming.
+            from .exchange import end_for
+
+            end_for(order["exchange"], rt.rank, f"exit {code}")
         _reply(resp_w, {"status": status, "exit_code": code})
         if order.get("reply"):  # a crash replay: nobody reads the pipe any more
             with open(order["reply"] + ".tmp", "w") as f:

@@ -69,7 +69,7 @@ class ReplayState:
                  "in_sum": meta["in_sum"], "recorded_in_sum": rec["in_sum"], "match": ok}
         self.colls.append(entry)
         where = None if ok else "compute"
-        recorded = self.window.outputs[key]
+        recorded = self.window.outputs.get(key)  # None: only the checksum was kept
         if self.exchange is not None and meta["op"] in REDUCED:
             try:
                 got = self.exchange.gather(key, {"in_match": ok, "ins": [t.detach() for t in ins]},
@@ -78,10 +78,14 @@ class ReplayState:
                 self.finish("peer_ended", str(e))
             compute_outputs(meta, [g["ins"] for g in got], outs, len(members))
             # The inputs of every rank are as recorded, yet this rank received
-            # something else: the live transfer corrupted it.
-            entry["out_match"] = tensors_sum(outs) == tensors_sum(recorded)  # bits: NaN outputs can match
+            # something else: the live transfer corrupted it.  (Checksums
+            # compare bits, so NaN outputs can match.)
+            entry["out_match"] = tensors_sum(outs) == (rec.get("out_sum") if recorded is None
+                                                       else tensors_sum(recorded))
             if where is None and all(g["in_match"] for g in got) and not entry["out_match"]:
                 where = "communication"
+        elif recorded is None:
+            self.finish("needs_peers", f"collective {key} ({meta['op']}) can only be replayed with every rank")
         else:
             if self.exchange is not None:
                 self.from_record.append(list(key))

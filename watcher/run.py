@@ -266,7 +266,8 @@ def _crash_incident(cfg: RunConfig) -> dict | None:
                             "exit_signal": crashed["exit_signal"]},
                            snaps[-1] if snaps else None, last + 1)
     if snaps:
-        reply = _crash_replay(cfg.out, rank, snaps[-1], last + 1, inc_dir)
+        world = max(r["rank"] for r in ranks) + 1
+        reply = _crash_replay(cfg.out, rank, world, snaps[-1], last + 1, inc_dir)
         verdict["replay"] = reply
         if reply.get("crashed_again") is not None:
             again = reply["crashed_again"]
@@ -280,12 +281,20 @@ def _crash_incident(cfg: RunConfig) -> dict | None:
     return verdict
 
 
-def _crash_replay(out: Path, rank: int, snap_step: int, to_step: int, inc_dir: Path, wait_s: float = 120) -> dict:
+def _crash_replay(out: Path, rank: int, world: int, snap_step: int, to_step: int, inc_dir: Path,
+                  wait_s: float = 120) -> dict:
+    """Replay every rank from its snapshot at `snap_step` to the crash step,
+    coordinated (the crashed rank's collectives need its peers' inputs); the
+    snapshots are orphans by now, waiting a little for these orders."""
     reply_path = inc_dir / f"rank{rank}.crash_replay.json"
-    order = {"op": "replay", "to_step": to_step,
-             "result": str(inc_dir / f"rank{rank}.result.pt"), "log": str(inc_dir / f"rank{rank}.replay.log"),
-             "sandbox_log": str(inc_dir / f"rank{rank}.sandbox.jsonl"), "reply": str(reply_path)}
-    write_json(out / "runtime" / f"crash_replay.rank{rank}.step{snap_step}.json", order)
+    exchange = inc_dir / "exchange"
+    exchange.mkdir(exist_ok=True)
+    for r in range(world):
+        order = {"op": "replay", "to_step": to_step, "exchange": str(exchange), "exchange_timeout_s": 60,
+                 "result": str(inc_dir / f"rank{r}.result.pt"), "log": str(inc_dir / f"rank{r}.replay.log"),
+                 "sandbox_log": str(inc_dir / f"rank{r}.sandbox.jsonl"),
+                 "reply": str(inc_dir / f"rank{r}.crash_replay.json")}
+        write_json(out / "runtime" / f"crash_replay.rank{r}.step{snap_step}.json", order)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and not reply_path.exists():
         time.sleep(0.1)
@@ -294,6 +303,11 @@ def _crash_replay(out: Path, rank: int, snap_step: int, to_step: int, inc_dir: P
                 "reason": f"the snapshot at step {snap_step} was gone before it could be replayed"}
     with open(reply_path) as f:
         reply = json.load(f)
+    others = [inc_dir / f"rank{r}.crash_replay.json" for r in range(world) if r != rank]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(o.exists() for o in others):
+        time.sleep(0.1)
+    shutil.rmtree(exchange, ignore_errors=True)  # the replayed inputs: large, and read by nobody now
     status = reply.get("status")
     sig = -reply["exit_code"] if reply.get("exit_code") is not None and reply["exit_code"] < 0 else None
     result = {}

@@ -63,6 +63,13 @@ _SIGNATURES = {
 }
 
 
+# Collectives whose outputs a coordinated replay computes from every rank's
+# replayed inputs (replay/exchange.py): the window keeps only their output
+# checksum.  Every other op's outputs are kept, to be served in a replay.
+COMPUTED_IN_REPLAY = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
+                                "barrier"})
+
+
 class WatchedGroup(dist.ProcessGroup):
     def __init__(self, inner: dist.ProcessGroup, runtime, gid: str):
         super().__init__(inner.rank(), inner.size())

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from . import collectives
+from .collectives import COMPUTED_IN_REPLAY
 from .checksum import ParamChecksum, object_sum, rng_digest, tensors_sum
 from .control import Control, read_json, write_json
 from .window import END_OF_DATA, SegmentWriter
@@ -79,6 +80,7 @@ class RankRuntime:
         self.exiting = False
         self.flushed_ns = 0
         self.resnapshot = False
+        self.abnormal_exit = False    # an uncaught exception is ending the process
         self.param_sum = ParamChecksum()
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
@@ -199,11 +201,18 @@ class RankRuntime:
                 for stage, fn in self.fault_hooks:
                     if stage == "collective_output":
                         fn(self, meta, outs)
-                # Only what must happen before anyone reads the outputs: copy
-                # them and get them on disk (a crash replay needs them).  The
-                # checksum waits for the step end, off the critical path.
                 meta["dur"] = time.monotonic_ns() - meta["ts"]
                 self.in_flight -= 1
+                if meta["op"] in COMPUTED_IN_REPLAY:
+                    # A replay computes these outputs from every rank's replayed
+                    # inputs: the record keeps only their checksum, taken before
+                    # anyone can read (or overwrite) them.
+                    meta["out_sum"] = tensors_sum(outs)
+                    self.seg.put(("coll", meta, None))
+                    self.done_colls.append((meta, None))
+                    return
+                # Outputs a replay must be served: copy them now (nothing may
+                # overwrite them first); the checksum waits for the step end.
                 copies = [o.detach().clone() for o in outs]
                 self.seg.put(("coll", meta, copies))
                 self.done_colls.append((meta, copies))
@@ -278,7 +287,8 @@ class RankRuntime:
                 del self.step_ns[:32]
         self.last_end_ns = fp["ts"]
         for meta, copies in colls:
-            meta["out_sum"] = tensors_sum(copies)
+            if copies is not None:
+                meta["out_sum"] = tensors_sum(copies)
             self.coll_log.write(json.dumps(meta) + "\n")
         fp["snapshot"] = False
         self.ctl.beacon(self.rank, k, fp["param_sum"])
@@ -400,6 +410,13 @@ class RankRuntime:
         """The training loop is over.  An incident opened in its last steps,
         whose halt step never came, is handled now, at this final boundary."""
         self.exiting = True
+        if self.abnormal_exit and self.mode == "live" and self.active and not self.disabled:
+            # Dying of an exception (a peer crashed, the job is failing): the
+            # snapshots and the window stay, orphaned for a short while, so
+            # `watcher run` can replay every rank up to the crash together.
+            self.flush_logs()
+            self.seg.flush()
+            return
         if self.disabled or self.mode != "live":
             if self.mode == "live":
                 self.close()
@@ -525,6 +542,15 @@ def install() -> None:
     inject.arm(RUNTIME)
     # DataLoader workers and other forks of a rank are not ranks.
     os.register_at_fork(after_in_child=_child_is_not_a_rank)
+    orig_excepthook = sys.excepthook
+
+    def excepthook(*exc):
+        rt = RUNTIME
+        if rt is not None and rt.mode == "live":
+            rt.abnormal_exit = True
+        return orig_excepthook(*exc)
+
+    sys.excepthook = excepthook
 
 
 FUNCTIONAL = ("all_reduce", "all_reduce_coalesced", "all_gather_tensor", "all_gather_tensor_autograd",
