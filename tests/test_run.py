@@ -55,6 +55,10 @@ def test_reference_job_is_bit_identical_and_fully_captured(tmp_path, plain_refer
     per_step = query(rec, "SELECT rank, step, count(*) FROM collective_io WHERE op = 'allreduce' "
                           "GROUP BY ALL ORDER BY ALL")
     assert per_step == [(r, s, 1) for r in (0, 1) for s in range(STEPS)]
+    # DDP issues them from autograd hooks: their Python call site is the training loop's backward()
+    src = ROOT / "watcher" / "workloads" / "ddp_lm.py"
+    backward = next(i + 1 for i, line in enumerate(src.read_text().splitlines()) if "loss.backward()" in line)
+    assert query(rec, "SELECT DISTINCT site FROM collective_io WHERE op = 'allreduce'") == [(f"{src}:{backward}",)]
     mismatched = query(rec, "SELECT a.seq FROM collective_io a JOIN collective_io b USING (group_name, seq) "
                             "WHERE a.rank = 0 AND b.rank = 1 AND (a.op <> b.op OR a.out_sum <> b.out_sum)")
     assert mismatched == []
@@ -221,6 +225,15 @@ def test_user_collectives_and_subgroups_are_captured_and_replayed(tmp_path):
     inc = json.loads((run / "incidents" / "inc-0001.json").read_text())
     assert inc["replay"]["exact"] is True
     assert inc["replay"]["per_rank"]["0"]["collectives"] == 7 * 6
+    # each collective links to the line of the user's code that issued it
+    lines = Path(script).read_text().splitlines()
+    where = {op: f"{script}:{next(i + 1 for i, l in enumerate(lines) if call in l)}"
+             for op, call in (("allreduce", "dist.all_reduce(prm.grad"), ("broadcast", "dist.broadcast(scale"),
+                              ("allgather", "dist.all_gather(losses"))}
+    assert query(rec, "SELECT op, site, count(*) FROM collective_io WHERE step BETWEEN 1 AND 15 GROUP BY ALL "
+                      "ORDER BY ALL") == sorted((op, site, n * 2 * 15) for op, site, n in
+                                                (("allgather", where["allgather"], 1), ("allreduce", where["allreduce"], 4),
+                                                 ("broadcast", where["broadcast"], 1)))
 
 
 @needs_bpf

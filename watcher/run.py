@@ -399,7 +399,7 @@ def ingest(out: Path) -> list[dict]:
                               fp.get("n_coll"), fp.get("snapshot")))
         for (g, seq), c in sorted(read_colls(out, r).items(), key=lambda kv: kv[1]["ts"]):
             coll_rows.append((r, g, seq, c["op"], c["step"], c.get("numel"), c.get("dtype"), c.get("reduce_op"),
-                              _i64(c.get("in_sum")), _i64(c.get("out_sum")), c["ts"], c.get("dur")))
+                              _i64(c.get("in_sum")), _i64(c.get("out_sum")), c.get("site"), c["ts"], c.get("dur")))
     incidents, inc_rows, sandbox_rows = [], [], []
     for p in sorted((out / "incidents").glob("inc-*.json")):
         with open(p) as f:

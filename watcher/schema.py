@@ -221,6 +221,7 @@ TABLES: tuple[Table, ...] = (
         C("reduce_op", "VARCHAR", "SUM, AVG, MAX, ... for reductions."),
         C("in_sum", "BIGINT", "Checksum of the inputs when the call was issued."),
         C("out_sum", "BIGINT", "Checksum of the outputs when the work completed."),
+        C("site", "VARCHAR", "file:line of the Python code that issued it (for DDP's allreduces, the backward() call)."),
         C("ts", TS, "When the call was issued."),
         C("dur", TS, "Issue to completion."),
     )),

@@ -14,6 +14,9 @@ its buffer broadcasts alike.
 
 from __future__ import annotations
 
+import os
+import sys
+import sysconfig
 import time
 
 import torch
@@ -31,6 +34,30 @@ def _flat(x) -> list:
         elif isinstance(t, torch.Tensor):
             out.append(t)
     return out
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+         os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "replay") + os.sep)
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_LIBRARY_MARKS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep, "<frozen ")
+
+
+def call_site() -> str | None:
+    """file:line of the code that issued the collective: the innermost frame
+    outside torch and Watcher, preferring the user's own code over libraries
+    (Lightning's loop, for one).  DDP's allreduces are issued from autograd
+    hooks, so theirs is the user's `backward()` line.  ~3 us a call."""
+    f = sys._getframe(2)
+    fallback = None
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(_TORCH_DIR) and not name.startswith(_OURS):
+            if not any(m in name for m in _LIBRARY_MARKS) and not name.startswith(_STDLIB):
+                return f"{name}:{f.f_lineno}"
+            fallback = fallback or f"{name}:{f.f_lineno}"
+        f = f.f_back
+    return fallback
 
 
 def _done_work(result):
@@ -93,7 +120,7 @@ class WatchedGroup(dist.ProcessGroup):
             meta = {"group": self.gid, "seq": self.seq, "op": op, "step": rt.step + 1,
                     "numel": sum(t.numel() for t in ins or outs),
                     "dtype": str((ins or outs)[0].dtype).replace("torch.", "") if (ins or outs) else None,
-                    "in_sum": tensors_sum(ins), "ts": time.monotonic_ns()}
+                    "in_sum": tensors_sum(ins), "site": call_site(), "ts": time.monotonic_ns()}
             red = getattr(args[-1], "reduceOp", None) if args else None
             if red is not None:
                 meta["reduce_op"] = str(getattr(red, "op", red)).split(".")[-1]
