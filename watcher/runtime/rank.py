@@ -444,6 +444,11 @@ class RankRuntime:
         if self.active:  # without snapshots the window serves nothing: free the tmpfs
             self.seg.close()
             self.seg.drop_before(1 << 62, recycle=False)
+            if os.environ.get("WATCHER_WINDOW_DIR"):
+                try:  # the last rank out removes the directory, if `watcher run` cannot any more
+                    os.rmdir(self.window_dir)
+                except OSError:
+                    pass
 
 
 def _private_mb(pid: int) -> float | None:
