@@ -346,7 +346,9 @@ def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
                          "steps": len(results[r].get("steps", {})),
                          "mismatched_steps": sorted(k for k, s in results[r].get("steps", {}).items()
                                                     if not s["match"]),
-                         "wall_s": replayed[r].get("wall_s"), "exit_code": replayed[r].get("exit_code")}
+                         "wall_s": replayed[r].get("wall_s"), "exit_code": replayed[r].get("exit_code"),
+                         "replay_s": round(results[r]["wall_ns"] / 1e9, 3) if results[r].get("wall_ns") else None,
+                         "exchange_ms": results[r].get("exchange_ms")}
                      for r in range(world)},
         "window_wall_s": plan.get("window_wall_s"),
     }

@@ -62,6 +62,8 @@ class Exchange:
         self.rank, self.world = rank, world
         self.fd = fd
         self.peers = {r: PeerLog(exchange_path(directory, r)) for r in range(world) if r != rank}
+        self.publish_ns = 0   # writing this replay's inputs
+        self.wait_ns = 0      # waiting for and reading the peers'
 
     def publish(self, key, payload: dict) -> None:
         os.writev(self.fd, framed(encode(("x", key, payload)), TAG))
@@ -74,7 +76,16 @@ class Exchange:
 
     def gather(self, key, mine: dict, members: list[int], timeout_s: float) -> list[dict]:
         """The payload for `key` of every member of its group (global ranks, in group-rank order)."""
+        t0 = time.monotonic_ns()
         self.publish(key, mine)
+        t1 = time.monotonic_ns()
+        self.publish_ns += t1 - t0
+        try:
+            return self._collect(key, mine, members, timeout_s)
+        finally:
+            self.wait_ns += time.monotonic_ns() - t1
+
+    def _collect(self, key, mine: dict, members: list[int], timeout_s: float) -> list[dict]:
         peers = {r: self.peers[r] for r in members if r != self.rank}
         deadline = time.monotonic() + timeout_s
         delay = 0.0002

@@ -12,6 +12,7 @@ training script holds is replaced, only overwritten.
 from __future__ import annotations
 
 import gc
+import warnings
 
 import torch
 
@@ -22,13 +23,17 @@ def _params(opt) -> list:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def _modules_holding(params: list) -> dict[int, torch.nn.Module]:
-    """Every module that owns one of these parameters, by id."""
+def modules_holding(params: list) -> dict[int, torch.nn.Module]:
+    """Every module that owns one of these parameters, by id.  A scan of every
+    object (~100 ms in a rank), so the runtime does it once, before its first
+    snapshot: replays forked later inherit the answer."""
     want = {id(p) for p in params}
     found = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module) and any(id(p) in want for p in obj.parameters(recurse=False)):
-            found[id(obj)] = obj
+    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.nn.Module) and any(id(p) in want for p in obj.parameters(recurse=False)):
+                found[id(obj)] = obj
     return found
 
 
@@ -41,7 +46,7 @@ def training_state(rt) -> dict:
         st = opt.state.get(p, {})
         state.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()})
     buffers = {}
-    for mid, mod in _modules_holding(params).items():
+    for mid, mod in (rt.modules or {}).items():
         for name, b in mod.named_buffers(recurse=False):
             if b is not None:
                 buffers[f"{mid}:{name}"] = b.detach().clone()
@@ -84,7 +89,7 @@ def merge_state(rt, st: dict) -> int:
             else:
                 g[k] = v
     if st["buffers"]:
-        mods = _modules_holding(params)
+        mods = rt.modules or {}
         for key, v in st["buffers"].items():
             mid, name = key.split(":", 1)
             mod = mods.get(int(mid))

@@ -340,9 +340,11 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
     from .state import ReplayState
     from . import sandbox
 
+    t_fork = time.monotonic_ns()
     libc = ctypes.CDLL(None)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     window = Window.load(segment_paths(rt.window_dir, rt.rank, rt.step))
+    t_window = time.monotonic_ns()
     result = open(order["result"], "wb")
     log_fd = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     sys.stdout.flush()
@@ -361,6 +363,8 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
     os.write(listener_w, (json.dumps({"listener": listener, "inherited": inherited}) + "\n").encode())
     os.close(listener_w)
     state.inherited_fds = inherited
+    state.setup_ms = {"window_load": round((t_window - t_fork) / 1e6, 1),
+                      "sandbox": round((time.monotonic_ns() - t_window) / 1e6, 1)}
     rt.replay = state
     rt.mode = "replay"
     rt.disabled = False

@@ -46,6 +46,7 @@ class ReplayState:
         self.from_step = rt.step
         self.t0 = time.monotonic_ns()
         self.inherited_fds: list[int] = []
+        self.setup_ms: dict = {}
         self.rt = rt
         self.exchange = None          # set for a coordinated replay
         self.from_record: list = []   # collectives answered from the record in a coordinated replay
@@ -116,12 +117,15 @@ class ReplayState:
                   "to_step": self.to_step, "steps": self.steps, "colls": self.colls,
                   "first_divergence": self.first_divergence,
                   "coordinated": self.exchange is not None, "from_record": self.from_record,
+                  "exchange_ms": None if self.exchange is None else
+                  {"publish": round(self.exchange.publish_ns / 1e6, 1), "wait": round(self.exchange.wait_ns / 1e6, 1)},
                   "wall_ns": time.monotonic_ns() - self.t0}
         try:
             if self.exchange is not None:
                 self.exchange.end(status)
                 if status == "done":
                     result["state"] = training_state(self.rt)
+            result["setup_ms"] = dict(self.setup_ms, state=round((time.monotonic_ns() - self.t0 - result["wall_ns"]) / 1e6, 1))
             torch.save(result, self.result_file)
             self.result_file.flush()
         finally:

@@ -81,6 +81,7 @@ class RankRuntime:
         self.flushed_ns = 0
         self.resnapshot = False
         self.abnormal_exit = False    # an uncaught exception is ending the process
+        self.modules = None           # id -> module owning the main optimizer's parameters (for a merge)
         self.param_sum = ParamChecksum()
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
@@ -367,6 +368,10 @@ class RankRuntime:
         from ..replay.snapshot import ForkSnapshot
 
         self.flush_logs()
+        if self.modules is None and self.main_opt is not None:
+            from ..replay.merge import modules_holding
+
+            self.modules = modules_holding([p for g in self.main_opt.param_groups for p in g["params"]])
         snap = ForkSnapshot.take(self, k)
         if snap is None:
             return  # we are a replay child, returning into the training loop
