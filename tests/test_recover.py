@@ -14,6 +14,9 @@ from .conftest import ROOT, needs_bpf, query
 from .test_run import LIGHTNING, STEPS, plain, plain_reference, reference  # noqa: F401 (fixture)
 
 FAULT = {"scenario": "grad_bitflip", "rank": 1, "step": 9}
+# The rank processes themselves: not their snapshots and replays (forks that inherit RANK).
+RANK_PROCESSES = ("SELECT p.rank, p.pid, p.exit_code FROM process p LEFT JOIN process parent "
+                  "ON parent.upid = p.parent_upid WHERE p.rank IS NOT NULL AND parent.rank IS NULL ORDER BY p.rank")
 
 
 def run_with(tmp: Path, faults, *cmd: str, detect=None) -> subprocess.CompletedProcess:
@@ -43,8 +46,7 @@ def test_bitflip_recovers_in_place_with_no_step_lost(tmp_path, plain_reference):
     assert [m["tries"] for m in inc["recovery"]["merged"]] == [1, 1]
     rec = run / "recording.duckdb"
     # The same two rank processes from the first step to the last: nothing restarted.
-    ranks = query(rec, "SELECT rank, pid, exit_code FROM process WHERE rank IS NOT NULL AND cmdline LIKE '%ddp_lm%' "
-                       "AND exe IS NOT NULL ORDER BY rank")
+    ranks = query(rec, RANK_PROCESSES)
     assert [(r, c) for r, _, c in ranks] == [(0, 0), (1, 0)]
     halted = {r: json.loads((run / "incidents" / "inc-0001" / f"arrive.rank{r}.json").read_text())["pid"]
               for r in (0, 1)}
@@ -68,8 +70,7 @@ def test_a_merge_corrupted_twice_stops_cleanly_with_the_reason(tmp_path):
     assert inc["recovery"]["reason"].startswith("rank 1: merged parameters have checksum")
     assert [m["tries"] for m in inc["recovery"]["merged"]] == [1, 2]
     rec = tmp_path / "run" / "recording.duckdb"
-    assert query(rec, "SELECT rank, exit_code FROM process WHERE rank IS NOT NULL AND cmdline LIKE '%ddp_lm%' "
-                      "AND exe IS NOT NULL ORDER BY rank") == [(0, 75), (1, 75)]
+    assert [(r, c) for r, _, c in query(rec, RANK_PROCESSES)] == [(0, 75), (1, 75)]
     assert not (tmp_path / "w.pt").exists()
 
 
