@@ -97,3 +97,25 @@ def test_repeated_transients_on_one_rank_are_escalated_not_recovered_forever(tmp
     assert second["escalated"]["rank"] == 1
     assert second["escalated"]["transients"] == ["inc-0001", "inc-0002"]
     assert "hardware suspect" in second["escalated"]["reason"]
+
+
+@needs_bpf
+def test_a_reset_link_is_rebuilt_and_the_collective_retried(tmp_path, plain_reference):
+    """The network drops rank 1's gloo connections before the step-9 allreduce:
+    without Watcher both ranks raise and the job dies.  Watcher rebuilds the
+    transport on the job's own store and retries; training never notices."""
+    p = run_with(tmp_path, {"scenario": "link_reset", "rank": 1, "step": 9}, *reference(tmp_path / "w.pt"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "w.pt.sha256").read_text() == plain_reference
+    inc = json.loads((tmp_path / "run" / "incidents" / "inc-0001.json").read_text())
+    assert (inc["kind"], inc["detected_step"], inc["classification"], inc["transient_cause"]) == \
+        ("collective_error", 9, "transient", "communication")
+    assert (inc["recovered"], inc["resumed_at_step"], inc["steps_lost"]) == (True, 9, 0)
+    assert inc["recovery"]["collective"]["op"] == "allreduce"
+    assert "Connection closed by peer" in inc["detail"]["error"]
+    rec = tmp_path / "run" / "recording.duckdb"
+    assert [(r, c) for r, _, c in query(rec, RANK_PROCESSES)] == [(0, 0), (1, 0)]
+    assert query(rec, "SELECT rank, count(DISTINCT step) FROM step GROUP BY 1 ORDER BY 1") == [(0, STEPS), (1, STEPS)]
+    # the retried allreduce is recorded once, with the same checksums on both ranks
+    assert query(rec, "SELECT count(*), count(DISTINCT out_sum) FROM collective_io WHERE op = 'allreduce' "
+                      "AND step = 9") == [(2, 1)]

@@ -167,7 +167,7 @@ def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
     p = watcher("drill", "--steps", "22", "--out", str(tmp_path / "d"), "--json", str(out), timeout=1200)
     card = json.loads(out.read_text())["scenarios"]
     by = {row["scenario"]: row for row in card}
-    assert set(by) == {"grad_bitflip", "allreduce_corrupt", "stall", "merge_bitflip", "two_transients",
+    assert set(by) == {"grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "merge_bitflip", "two_transients",
                        "nan_op", "lr_spike", "bad_cores", "segv"}
     failed = [r for r in card if not r["pass"]]
     assert not failed, f"{failed}\n{p.stdout}\n{p.stderr[-3000:]}"
@@ -177,7 +177,8 @@ def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
     assert by["stall"]["localised"] == "rank 1 step 12 allreduce"
     # Track A: every transient recovered in place, no step lost, and the final
     # parameters are bit-identical to the fault-free baseline run's.
-    for name in ("grad_bitflip", "allreduce_corrupt", "stall", "merge_bitflip", "two_transients"):
+    assert by["link_reset"]["detected"] == "collective_error@12"  # the transport was rebuilt and the allreduce retried
+    for name in ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "merge_bitflip", "two_transients"):
         row = by[name]
         assert (row["classification"], row["recovered"], row["steps_lost"], row["bit_identical"], row["exit_code"]) \
             == ("transient", True, 0, True, 0), row

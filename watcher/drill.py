@@ -44,6 +44,8 @@ SCENARIOS = [
              "transient", "communication"),
     Scenario("stall", {"scenario": "stall", "seconds": 4}, ("hang",), "transient", "stall",
              detect={"hang_seconds": 1.5}),
+    # The network drops the rank's connections: the collective fails on every member.
+    Scenario("link_reset", {"scenario": "link_reset"}, ("collective_error",), "transient", "link"),
     # A fault during the recovery itself: the merged copy gets a flipped bit.
     Scenario("merge_bitflip", {"scenario": "grad_bitflip"}, ("non_finite", "loss_spike"), "transient", "compute",
              also=[{"scenario": "merge_bitflip", "rank": FAULT_RANK, "step": FAULT_STEP}]),
@@ -87,6 +89,10 @@ def score(s: Scenario, incidents: list[dict]) -> dict:
         st = rep.get("stall") or {}
         loc = st.get("rank") == FAULT_RANK and st.get("step") == FAULT_STEP
         row["localised"] = f"rank {st.get('rank')} step {st.get('step')} {(st.get('collective') or {}).get('op')}" if st else "none"
+    elif s.where == "link":
+        c = (inc.get("recovery") or {}).get("collective") or {}
+        loc = inc.get("detected_step") == FAULT_STEP and c.get("op") == "allreduce"
+        row["localised"] = f"step {inc.get('detected_step')} {c.get('op')} #{c.get('seq')}" if c else "none"
     elif s.where == "crash":
         loc = inc.get("detected_rank") == FAULT_RANK and inc.get("detected_step") == FAULT_STEP
         row["localised"] = f"rank {inc.get('detected_rank')} step {inc.get('detected_step')}"

@@ -227,7 +227,7 @@ TABLES: tuple[Table, ...] = (
     )),
     Table("incident", "Failures detected by `watcher run`, with the replay verdict; the full JSON is in DIR/incidents/.", (
         C("incident_id", "VARCHAR", "inc-0001, ..."),
-        C("kind", "VARCHAR", "crash, hang, sdc, loss_spike or non_finite."),
+        C("kind", "VARCHAR", "crash, hang, sdc, loss_spike, non_finite, or collective_error (a collective's transport failed)."),
         C("detected_step", "INTEGER", "The failing step."),
         C("detected_rank", "INTEGER", "The rank whose detector fired (or that crashed)."),
         C("detected_ts", TS, "When it was detected."),

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from . import relink
 from .checksum import tensors_sum
 
 
@@ -137,7 +138,18 @@ class WatchedGroup(dist.ProcessGroup):
             rt.in_flight += 1
         except Exception as e:
             rt.fail(e)
-        work = getattr(self.inner, op)(*args)
+        retry = None
+        if relink.can_relink(rt, self):
+            def retry(error, _op=op, _args=args, _meta=meta, _ins=ins):
+                return relink.relink(rt, self, _op, _args, _meta, _ins, error)
+        try:
+            work = getattr(self.inner, op)(*args)
+        except RuntimeError as e:  # a transport already known dead fails at issue
+            if retry is None:
+                raise
+            result = retry(e)  # raises e when the collective cannot be retried
+            rt.track_collective(meta, outs, None)
+            return _done_work(result)
         if rt.disabled:
             return work
         try:
@@ -147,10 +159,18 @@ class WatchedGroup(dist.ProcessGroup):
                 work.wait()
                 rt.track_collective(meta, outs, None)
                 return _done_work(outs)
-            return rt.track_collective(meta, outs, work)
+            return rt.track_collective(meta, outs, work, retry)
         except Exception as e:
             rt.fail(e)
             return work
+
+    def replace_inner(self, new) -> None:
+        """Put a rebuilt transport under this wrapper (see relink.py)."""
+        self.inner = new
+        try:
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, new)
+        except Exception:
+            pass  # c10d keeps the first registration; every collective goes through self.inner anyway
 
     def __repr__(self) -> str:
         return f"WatchedGroup({self.gid}, rank={self.rank()}, size={self.size()})"

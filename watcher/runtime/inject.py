@@ -15,6 +15,7 @@ Scenarios (all take "rank" and "step"):
   nan_op            GELU outputs NaN whenever the batch has checksum `batch_sum` (persistent, data)
   bad_cores         a Linear's output is scaled by `factor` while the rank runs on CPUs `cpus` (persistent, device)
   segv              SIGSEGV at the start of `step` (persistent crash)
+  link_reset        shut down the rank's gloo connections before one collective (transient network fault)
   merge_bitflip     flip the top exponent bit of one parameter right after a recovery merge, `times`
                     merges in a row (default 1; a fault during recovery itself)
   runtime_bug       an exception inside Watcher's own batch hook (tests fail-open)
@@ -31,13 +32,37 @@ import time
 
 import torch
 
-SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "lr_spike", "nan_op", "bad_cores", "segv", "merge_bitflip")
+SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "lr_spike", "nan_op", "bad_cores", "segv",
+             "merge_bitflip")
 
 
 def _flip_top_exponent_bit(t: torch.Tensor) -> None:
     flat = t.detach().view(-1)
     if flat.dtype == torch.float32 and flat.numel():
         flat.view(torch.int32)[0] ^= 1 << 30
+
+
+def _reset_connections() -> None:
+    """Shut down every TCP connection of this process except the c10d store's
+    (so gloo's pairs break, as on a network reset, and the store still works)."""
+    import socket
+
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.fromfd(int(name), socket.AF_INET, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            peer, local = s.getpeername(), s.getsockname()
+            if store_port not in (peer[1], local[1]):
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected, or not a socket
+        finally:
+            s.close()
 
 
 def arm(rt) -> None:
@@ -120,6 +145,11 @@ def _arm_one(rt, f: dict) -> None:
                 return output * factor
             return None
         register_module_forward_hook(fwd)
+    elif kind == "link_reset":
+        def hook(rt_, meta):
+            if meta["step"] == step and once():
+                _reset_connections()
+        rt.fault_hooks.append(("before_collective", hook))
     elif kind == "merge_bitflip":
         left = {"n": int(f.get("times", 1))}  # times=2 corrupts the retry as well
 

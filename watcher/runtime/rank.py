@@ -196,7 +196,10 @@ class RankRuntime:
                 fn(self, meta)
                 meta["ts"] = time.monotonic_ns()  # the rank reaches the collective only now
 
-    def track_collective(self, meta: dict, outs: list, work) -> None:
+    def track_collective(self, meta: dict, outs: list, work, retry=None) -> None:
+        """Record the collective when it completes.  `retry(error)` (for groups
+        whose transport Watcher can rebuild) runs the collective again after
+        a failure and returns its result, or raises."""
         def capture(fut=None):
             try:
                 for stage, fn in self.fault_hooks:
@@ -229,15 +232,41 @@ class RankRuntime:
             self.pending.append((meta, outs, work, capture))
             return work
 
-        def completed(f):
-            value = f.value()  # re-raises a failed collective to whoever waits
-            capture()
-            return value
+        if retry is None:
+            def completed(f):
+                value = f.value()  # re-raises a failed collective to whoever waits
+                capture()
+                return value
 
-        # Whoever waits on the work (DDP's reducer, the user's wait()) sees it
-        # complete only after the outputs were copied: nothing can overwrite
-        # them before they are recorded.
-        return _done_later(fut.then(completed))
+            # Whoever waits on the work (DDP's reducer, the user's wait()) sees it
+            # complete only after the outputs were copied: nothing can overwrite
+            # them before they are recorded.
+            return _done_later(fut.then(completed))
+
+        done = torch.futures.Future()
+
+        def finished(f):
+            try:
+                value = f.value()
+            except Exception as e:  # the transport failed: rebuild and retry, off gloo's thread
+                threading.Thread(target=self._retry, args=(retry, e, capture, done), daemon=True,
+                                 name="watcher-relink").start()
+                return None
+            capture()
+            done.set_result(value)
+            return None
+
+        fut.then(finished)
+        return _done_later(done)
+
+    def _retry(self, retry, error, capture, done) -> None:
+        try:
+            value = retry(error)
+        except BaseException as e:
+            done.set_exception(e)
+            return
+        capture()
+        done.set_result(value)
 
     def on_optimizer_step(self, opt) -> None:
         if self.main_opt is None or (opt is not self.main_opt and _n_params(opt) > _n_params(self.main_opt)):
@@ -318,7 +347,9 @@ class RankRuntime:
         if open_incident:
             seq = self.ctl.incident_seq
             info = self.ctl.incident(seq)
-            if self.unsupported or info.get("unsupported"):
+            if info.get("resolved"):
+                self.handled_seq = seq  # recovered where it happened (relink.py): nothing to halt for
+            elif self.unsupported or info.get("unsupported"):
                 self.handled_seq = seq  # recorded, not replayed: `watcher run` writes it up
                 if self.rank == 0:
                     self.ctl.verdict_seq = max(self.ctl.verdict_seq, seq)  # the next incident may open
@@ -428,7 +459,7 @@ class RankRuntime:
             return
         try:
             seq = self.ctl.incident_seq
-            if seq > self.handled_seq:
+            if seq > self.handled_seq and not self.ctl.incident(seq).get("resolved"):
                 from ..replay.coordinator import handle_incident
 
                 handle_incident(self, seq, self.ctl.incident(seq), final=True)

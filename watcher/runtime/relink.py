@@ -1,0 +1,105 @@
+"""Recovering a collective whose transport failed, without a restart (Track A).
+
+When a gloo collective fails (a peer's connection reset or closed, a
+transient network fault) the wrapped group's transport is dead for good, and
+without Watcher the job crashes.  Under `--policy recover` every member of
+the group, on seeing the same collective fail:
+
+1. checks that the failed operation left its inputs as they were issued (the
+   input checksum taken at issue) and tells the others, through the job's own
+   c10d store;
+2. if every member's inputs are intact, builds a fresh gloo transport for the
+   group on that store (a new key prefix per failed collective, so every
+   member meets in the same place), puts it under the same wrapper, and
+   issues the collective again there;
+3. hands the result to whoever waits on the original work (DDP's reducer,
+   the user's wait()), which never sees the failure.
+
+The rebuild takes a few milliseconds here.  If any member's inputs were
+modified, or a member never joins, the original error goes to the training
+code as it would have, and the incident says why.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from .checksum import tensors_sum
+
+JOIN_TIMEOUT_S = 60.0
+
+
+def can_relink(rt, group) -> bool:
+    return rt.mode == "live" and rt.policy == "recover" and not rt.disabled and _is_gloo(group)
+
+
+def _is_gloo(group) -> bool:
+    try:
+        return "gloo" in str(group.inner.name()).lower()
+    except Exception:
+        return False
+
+
+def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseException):
+    """Rebuild `group`'s transport and run the collective again; returns the
+    retried work's result.  Raises `error` when it cannot."""
+    t0 = time.monotonic_ns()
+    store = c10d._get_default_store()
+    prefix = f"watcher/relink/{group.gid}/{meta['seq']}/"
+    me, size = group.inner.rank(), group.inner.size()
+    intact = tensors_sum(ins) == meta["in_sum"]
+    store.set(f"{prefix}intact/{me}", "1" if intact else "0")
+    keys = [f"{prefix}intact/{r}" for r in range(size)]
+    why = None
+    try:
+        store.wait(keys, datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+        if not all(store.get(k) == b"1" for k in keys):
+            why = "the failed operation modified a member's inputs: the collective cannot be retried"
+    except Exception as e:
+        why = f"not every member of the group joined the rebuild: {e}"
+    if why is None:
+        new = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, size,
+                                    datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+        group.replace_inner(new)
+        work = getattr(new, op)(*args)
+        work.wait()
+        result = work.result() if hasattr(work, "result") else None
+    if me == 0:
+        _record(rt, group, meta, error, why, t0)
+    if why is not None:
+        raise error
+    return result
+
+
+def _record(rt, group, meta: dict, error: BaseException, why: str | None, t0: int) -> None:
+    """The incident, written at once: nothing to halt or replay (the inputs
+    were verified), so the ranks never stop."""
+    from ..replay.coordinator import incident_doc
+    from .control import write_json
+
+    seq = rt.ctl.open_incident({"kind": "collective_error", "rank": rt.rank, "failing_step": meta["step"],
+                                "halt_step": None, "resolved": True, "detected_ts": t0})
+    if seq is None:
+        return  # another incident is being handled; this one is in the rank's stderr
+    iid = f"inc-{seq:04d}"
+    coll = {"group": group.gid, "seq": meta["seq"], "op": meta["op"]}
+    doc = incident_doc(iid, "collective_error", meta["step"], rt.rank, t0,
+                       {"error": str(error).splitlines()[0][:300], "collective": coll}, None, None)
+    ok = why is None
+    doc.update(classification="transient", track="A", transient_cause="communication", recovered=ok,
+               resumed_at_step=meta["step"] if ok else None, steps_lost=0 if ok else None,
+               recovery={"method": "rebuilt the group's gloo transport and issued the collective again",
+                         "collective": coll, "reason": why,
+                         "detect_to_resume_s": round((time.monotonic_ns() - t0) / 1e9, 4)})
+    write_json(rt.run_dir / "incidents" / f"{iid}.json", doc)
+    rt.ctl.verdict_seq = max(rt.ctl.verdict_seq, seq)
+    import sys
+
+    print(f"watcher: incident {iid}: {meta['op']} #{meta['seq']} at step {meta['step']} failed "
+              f"({doc['detail']['error'][:80]}); " + ("transport rebuilt, collective retried, training goes on"
+                                                     if ok else f"not recovered: {why}"),
+              file=sys.stderr, flush=True)
