@@ -174,8 +174,10 @@ def check(pid: Optional[int] = typer.Option(None, "--pid", help="Also look for l
 def run(
     cmd: list[str] = typer.Argument(..., help="Training command, after --."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Run directory (created; must not exist)."),
-    policy: str = typer.Option("recover", help="After an incident's verdict: observe (go on untouched), "
-                               "recover or apply (stop cleanly with the incident written)."),
+    policy: str = typer.Option("recover", help="After an incident's verdict: observe (go on untouched); "
+                               "recover (a transient: merge the replayed state or rebuild the failed link "
+                               "and go on; a persistent fault: stop cleanly, exit 75); apply (stop cleanly "
+                               "after every verdict, until diagnosis is built)."),
     snapshot_budget: float = typer.Option(1.0, help="Snapshot cost budget, percent of step time; sets the snapshot interval."),
     snapshot_interval: Optional[int] = typer.Option(None, help="Fixed snapshot interval in steps (overrides the budget)."),
     detect: list[str] = typer.Option([], help="Detector setting KEY=VALUE (repeatable), e.g. loss_spike_z=10, hang_seconds=60."),

@@ -106,6 +106,7 @@ class WatchedGroup(dist.ProcessGroup):
         self.gid = gid
         self.seq = 0
         self.ranks = list(range(inner.size()))  # global ranks by group rank; set by wrap()
+        self.gloo = None                        # is the transport gloo (rebuildable)? see relink.py
 
     def _call(self, op: str, args: tuple):
         rt = self.rt

@@ -38,10 +38,12 @@ def can_relink(rt, group) -> bool:
 
 
 def _is_gloo(group) -> bool:
-    try:
-        return "gloo" in str(group.inner.name()).lower()
-    except Exception:
-        return False
+    if group.gloo is None:  # asked once per group, not per collective
+        try:
+            group.gloo = "gloo" in str(group.inner.name()).lower()
+        except Exception:
+            group.gloo = False
+    return group.gloo
 
 
 def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseException):
