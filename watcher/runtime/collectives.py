@@ -148,7 +148,10 @@ class WatchedGroup(dist.ProcessGroup):
         except RuntimeError as e:  # a transport already known dead fails at issue
             if retry is None:
                 raise
-            result = retry(e)  # raises e when the collective cannot be retried
+            try:
+                result = retry(e)  # raises e when the collective cannot be retried
+            except Exception:
+                raise e from None  # whatever happened in Watcher, training sees the real failure
             rt.track_collective(meta, outs, None)
             return _done_work(result)
         if rt.disabled:

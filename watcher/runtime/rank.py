@@ -262,8 +262,8 @@ class RankRuntime:
     def _retry(self, retry, error, capture, done) -> None:
         try:
             value = retry(error)
-        except BaseException as e:
-            done.set_exception(e)
+        except BaseException:
+            done.set_exception(error)  # whatever happened in Watcher, training sees the real failure
             return
         capture()
         done.set_result(value)
