@@ -78,7 +78,6 @@ class RankRuntime:
         self.unsupported = None       # why this rank cannot be replayed, if it cannot
         self.in_flight = 0            # collectives issued and not completed
         self.exiting = False
-        self.flushed_ns = 0
         self.resnapshot = False
         self.abnormal_exit = False    # an uncaught exception is ending the process
         self.modules = None           # id -> module owning the main optimizer's parameters (for a merge)
@@ -232,29 +231,24 @@ class RankRuntime:
             self.pending.append((meta, outs, work, capture))
             return work
 
-        if retry is None:
-            def completed(f):
-                value = f.value()  # re-raises a failed collective to whoever waits
-                capture()
-                return value
-
-            # Whoever waits on the work (DDP's reducer, the user's wait()) sees it
-            # complete only after the outputs were copied: nothing can overwrite
-            # them before they are recorded.
-            return _done_later(fut.then(completed))
-
+        # Whoever waits on the work (DDP's reducer, the user's wait()) waits on
+        # `done`, which completes only after the outputs were recorded: nothing
+        # can overwrite them first.  A failure goes to the waiter as it is, or,
+        # where the transport can be rebuilt, is retried first.
         done = torch.futures.Future()
 
         def finished(f):
             try:
                 value = f.value()
-            except Exception as e:  # the transport failed: rebuild and retry, off gloo's thread
-                threading.Thread(target=self._retry, args=(retry, e, capture, done), daemon=True,
-                                 name="watcher-relink").start()
-                return None
+            except Exception as e:
+                if retry is None:
+                    done.set_exception(e)
+                else:  # rebuild and retry off gloo's thread
+                    threading.Thread(target=self._retry, args=(retry, e, capture, done), daemon=True,
+                                     name="watcher-relink").start()
+                return
             capture()
             done.set_result(value)
-            return None
 
         fut.then(finished)
         return _done_later(done)
@@ -343,7 +337,7 @@ class RankRuntime:
         self.steps_log.write(json.dumps(fp) + "\n")
         # Every step reaches the file at once: a rank killed by a signal
         # flushes nothing, and its last steps are what a crash report needs.
-        self.flush_logs(fp["ts"])
+        self.flush_logs()
         if open_incident:
             seq = self.ctl.incident_seq
             info = self.ctl.incident(seq)
@@ -363,10 +357,9 @@ class RankRuntime:
                     self.resnapshot = False
                     self.take_snapshot(k)
 
-    def flush_logs(self, now_ns: int | None = None) -> None:
+    def flush_logs(self) -> None:
         self.steps_log.flush()
         self.coll_log.flush()
-        self.flushed_ns = now_ns or time.monotonic_ns()
 
     def detect(self, fp: dict) -> dict | None:
         if fp["step"] == self.replay_check_step and self.rank == 0:

@@ -23,6 +23,7 @@ code as it would have, and the incident says why.
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 
 import torch.distributed as dist
@@ -99,8 +100,6 @@ def _record(rt, group, meta: dict, error: BaseException, why: str | None, t0: in
                          "detect_to_resume_s": round((time.monotonic_ns() - t0) / 1e9, 4)})
     write_json(rt.run_dir / "incidents" / f"{iid}.json", doc)
     rt.ctl.verdict_seq = max(rt.ctl.verdict_seq, seq)
-    import sys
-
     print(f"watcher: incident {iid}: {meta['op']} #{meta['seq']} at step {meta['step']} failed "
               f"({doc['detail']['error'][:80]}); " + ("transport rebuilt, collective retried, training goes on"
                                                      if ok else f"not recovered: {why}"),
