@@ -18,6 +18,7 @@ of a step its peers will not run):
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -28,6 +29,9 @@ import torch
 from ..runtime.control import read_json, write_json
 
 WAIT_S = float(os.environ.get("WATCHER_INCIDENT_WAIT", "600"))
+# Persistent failures diagnosed by counterfactual replay (a hang or a crash is
+# reported with where each rank was, not replayed with variants).
+DIAGNOSED = ("non_finite", "loss_spike", "sdc")
 
 
 def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
@@ -95,9 +99,12 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
     if verdict:
         _say(rt, f"incident {info['incident_id']}: {verdict['classification'] or 'unclassified'}"
                  + (f" ({verdict['transient_cause']})" if verdict.get("transient_cause") else ""))
-    if (verdict and verdict.get("classification") == "transient" and rt.policy == "recover"
+    if (verdict and verdict.get("classification") == "transient" and rt.policy in ("recover", "apply")
             and info["kind"] != "replay_check" and not final):
         recovered = recover(rt, seq, info, plan, inc_dir, t_halt)
+    if (verdict and verdict.get("classification") == "persistent" and rt.policy in ("recover", "apply")
+            and info["kind"] in DIAGNOSED and not final):
+        recovered = diagnose_and_apply(rt, info, plan, inc_dir, t_halt)
     if verdict:
         if verdict["classification"] == "persistent":
             # Keep the frozen snapshot out of rotation for diagnosis.
@@ -116,11 +123,37 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
         os._exit(75)
 
 
-def recover(rt, seq: int, info: dict, plan: dict, inc_dir: Path, t_halt: int) -> bool:
+def diagnose_and_apply(rt, info: dict, plan: dict, inc_dir: Path, t_halt: int) -> bool:
+    """Track B (diagnose.py) on every rank; under --policy apply, merge the
+    state of the counterfactual replay that cured the failure.  True when
+    training may go on."""
+    from .diagnose import apply_effects, diagnose, record_affinity
+
+    done = inc_dir / "diagnosis" / "done.json"
+    try:
+        record_affinity(rt)
+        outcome = diagnose(rt, info, plan, inc_dir)
+    except Exception as e:
+        _say(rt, f"incident {info['incident_id']}: diagnosis failed: {e}")
+        if rt.rank == 0 and not done.exists():
+            write_json(done, {"apply": None, "error": str(e)})
+        outcome = None
+    if not outcome or not outcome.get("apply"):
+        return False
+    result_dir = inc_dir / "diagnosis" / outcome["apply"]
+    ok = recover(rt, 0, info, plan, inc_dir, t_halt, result_dir=result_dir)
+    if ok:
+        apply_effects(rt, info)
+    return ok
+
+
+def recover(rt, seq: int, info: dict, plan: dict, inc_dir: Path, t_halt: int, result_dir: Path | None = None) -> bool:
     """Track A: load the replayed state into this live rank, check it, and
-    agree with every rank that all of them did.  True when training may go on."""
+    agree with every rank that all of them did.  True when training may go on.
+    `result_dir` holds the replay results to merge (default: the verdict's)."""
     from .merge import merge_state
 
+    result_dir = result_dir or inc_dir
     ctl, iid = rt.ctl, info["incident_id"]
     inc_path = rt.run_dir / "incidents" / f"{iid}.json"
     verdict = read_json(inc_path)
@@ -129,7 +162,7 @@ def recover(rt, seq: int, info: dict, plan: dict, inc_dir: Path, t_halt: int) ->
     mine = {"rank": rt.rank, "ok": False, "tries": 0}
     if rec.get("possible"):
         try:
-            res = torch.load(inc_dir / f"rank{rt.rank}.result.pt", weights_only=False)
+            res = torch.load(result_dir / f"rank{rt.rank}.result.pt", weights_only=False)
             want = res["state"]["param_sum"]
             # A fault during the merge itself (a flipped bit in the copy) shows
             # as a checksum that is not the replay's: merge again, once.
@@ -148,13 +181,13 @@ def recover(rt, seq: int, info: dict, plan: dict, inc_dir: Path, t_halt: int) ->
     else:
         mine["error"] = rec.get("reason") or "no recovery was planned"
     mine["merge_s"] = round((time.monotonic_ns() - t0) / 1e9, 4)
-    write_json(inc_dir / f"merged.rank{rt.rank}.json", mine)
-    done_path = inc_dir / "recovery.json"
+    write_json(result_dir / f"merged.rank{rt.rank}.json", mine)
+    done_path = result_dir / "recovery.json"
     if rt.rank == 0:
         try:
-            ctl.wait(lambda: all((inc_dir / f"merged.rank{r}.json").exists() for r in range(rt.world)),
+            ctl.wait(lambda: all((result_dir / f"merged.rank{r}.json").exists() for r in range(rt.world)),
                      WAIT_S, "every rank's merge")
-            merged = [read_json(inc_dir / f"merged.rank{r}.json") for r in range(rt.world)]
+            merged = [read_json(result_dir / f"merged.rank{r}.json") for r in range(rt.world)]
         except Exception as e:
             merged = [{"rank": rt.rank, "ok": False, "error": str(e)}]
         ok = all(m.get("ok") for m in merged)
@@ -404,14 +437,21 @@ def recoverable(rt, plan: dict, results: list[dict]) -> dict:
             why = f"rank {r} replayed collectives Watcher cannot compute ({res['from_record'][0]}...)"
         if why:
             return {"possible": False, "reason": why}
-    detectors = copy.deepcopy(rt.detectors)
-    for k in range(plan["from_step"] + 1, to + 1):
-        fp = results[0]["steps"].get(k)
-        if fp is None:
-            return {"possible": False, "reason": f"step {k} is missing from the replay"}
-        hit = detectors.check_step(fp) if k >= plan["failing_step"] else None
-        if hit:
-            return {"possible": False, "reason": f"the replayed step {k} is itself anomalous ({hit['kind']})"}
+    for r, res in enumerate(results):
+        # Each rank's replayed losses against that rank's own recorded history.
+        detectors = copy.deepcopy(rt.detectors)
+        recorded = read_steps(rt.run_dir, r)
+        detectors.history = [recorded[s]["loss"] for s in sorted(recorded) if s < plan["failing_step"]
+                             and recorded[s].get("loss") is not None and math.isfinite(recorded[s]["loss"])
+                             ][-detectors.loss_spike_window:]
+        for k in range(plan["from_step"] + 1, to + 1):
+            fp = res["steps"].get(k)
+            if fp is None:
+                return {"possible": False, "reason": f"step {k} is missing from rank {r}'s replay"}
+            hit = detectors.check_step(fp) if k >= plan["failing_step"] else None
+            if hit:
+                return {"possible": False,
+                        "reason": f"the replayed step {k} is itself anomalous on rank {r} ({hit['kind']})"}
     sums = {res["steps"][to]["param_sum"] for res in results}
     if rt.replicated and len(sums) > 1:
         return {"possible": False, "reason": f"the replicas disagree after the replay of step {to}"}

@@ -128,17 +128,19 @@ class ForkSnapshot:
         return cls(pid, k, cmd_w, resp_r, fork_ns, rt.run_dir, rt.rank)
 
     def replay(self, to_step: int, out_dir: Path, timeout: float = 300.0,
-               exchange: Path | None = None) -> dict:
+               exchange: Path | None = None, variant: dict | None = None) -> dict:
         """Re-execute steps step+1..to_step in a sandboxed child; returns how it ended.
         With `exchange` (a directory shared by every rank's replay of this
         window) the replay is coordinated: collectives are computed from the
-        replayed inputs of all ranks instead of answered from the record."""
+        replayed inputs of all ranks instead of answered from the record.
+        `variant` makes it a counterfactual replay (variants.py)."""
         out_dir.mkdir(parents=True, exist_ok=True)
         order = {"op": "replay", "to_step": to_step,
                  "result": str(out_dir / f"rank{self.rank}.result.pt"),
                  "log": str(out_dir / f"rank{self.rank}.replay.log"),
                  "sandbox_log": str(out_dir / f"rank{self.rank}.sandbox.jsonl"),
-                 "exchange": str(exchange) if exchange else None, "exchange_timeout_s": timeout}
+                 "exchange": str(exchange) if exchange else None, "exchange_timeout_s": timeout,
+                 "variant": variant}
         t0 = time.monotonic()
         os.write(self.cmd_w, (json.dumps(order) + "\n").encode())
         reply = _read_reply(self.resp_r, timeout)
@@ -365,6 +367,10 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
     state.inherited_fds = inherited
     state.setup_ms = {"window_load": round((t_window - t_fork) / 1e6, 1),
                       "sandbox": round((time.monotonic_ns() - t_window) / 1e6, 1)}
+    if state.variant:
+        from . import variants
+
+        variants.setup(rt, state, state.variant)
     rt.replay = state
     rt.mode = "replay"
     rt.disabled = False

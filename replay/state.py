@@ -51,6 +51,9 @@ class ReplayState:
         self.exchange = None          # set for a coordinated replay
         self.from_record: list = []   # collectives answered from the record in a coordinated replay
         self.exchange_timeout_s = float(order.get("exchange_timeout_s", 120.0))
+        self.variant = order.get("variant") or {}  # a counterfactual replay (variants.py)
+        self.extra: dict = {}                        # what the variant observed, for the result
+        self.tracer = None
 
     def batch(self, idx, it, orig):
         if idx not in self.window.batches:
@@ -58,6 +61,10 @@ class ReplayState:
         b = self.window.batches[idx]
         if isinstance(b, str) and b == END_OF_DATA:
             raise StopIteration
+        if self.variant:
+            from . import variants
+
+            b = variants.batch(self.rt, self, self.variant, idx, b)
         return b
 
     def collective(self, rt, meta: dict, ins: list, outs: list, members: list[int]):
@@ -78,6 +85,9 @@ class ReplayState:
             except PeerEnded as e:
                 self.finish("peer_ended", str(e))
             compute_outputs(meta, [g["ins"] for g in got], outs, len(members))
+            if self.variant:  # where non-finite values crossed ranks, for a causal chain
+                entry["in_nonfinite"] = any(bool((~torch.isfinite(t)).any()) for t in ins if t.is_floating_point())
+                entry["out_nonfinite"] = any(bool((~torch.isfinite(t)).any()) for t in outs if t.is_floating_point())
             # The inputs of every rank are as recorded, yet this rank received
             # something else: the live transfer corrupted it.  (Checksums
             # compare bits, so NaN outputs can match.)
@@ -105,6 +115,7 @@ class ReplayState:
         diff = [f for f in COMPARED if rec is None or not same_value(fp.get(f), rec.get(f))]
         fp["match"] = not diff
         fp["diff"] = diff
+        fp["lr"] = [g.get("lr") for g in rt.main_opt.param_groups] if rt.main_opt is not None else None
         self.steps[k] = fp
         if k >= self.to_step:
             self.finish("done")
@@ -119,8 +130,11 @@ class ReplayState:
                   "coordinated": self.exchange is not None, "from_record": self.from_record,
                   "exchange_ms": None if self.exchange is None else
                   {"publish": round(self.exchange.publish_ns / 1e6, 1), "wait": round(self.exchange.wait_ns / 1e6, 1)},
-                  "wall_ns": time.monotonic_ns() - self.t0}
+                  "wall_ns": time.monotonic_ns() - self.t0, "variant": self.variant.get("name")}
         try:
+            result.update(self.extra)
+            if self.tracer is not None:
+                result["trace"] = self.tracer.summary()
             if self.exchange is not None:
                 self.exchange.end(status)
                 if status == "done":

@@ -4,13 +4,15 @@ Each scenario is one `watcher run --policy recover` of the 2-rank reference
 job with one fault, or two (see watcher.runtime.inject).  The scorecard
 compares what Watcher concluded with the fault that was injected (only this
 module knows both) and, for transient faults, whether training recovered: no
-step lost and final parameters bit-identical to a fault-free run.
+step lost and final parameters bit-identical to a fault-free run; for
+persistent faults, whether diagnosis named the injected cause (and, under
+--policy apply, whether the prescription was applied and training finished).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ class Scenario:
     detect: dict = field(default_factory=dict)
     also: list = field(default_factory=list)  # further faults in the same run (with their own rank/step)
     incidents: int = 1                         # how many incidents the faults make
+    attribution: str | None = None             # persistent: the cause diagnosis must name
+    policy: str = "recover"                    # apply: the prescription must be applied and training finish
 
 
 SCENARIOS = [
@@ -52,9 +56,18 @@ SCENARIOS = [
     # Two transients in one run, on different ranks and steps.
     Scenario("two_transients", {"scenario": "grad_bitflip"}, ("non_finite", "loss_spike"), "transient", "compute",
              also=[{"scenario": "allreduce_corrupt", "rank": SECOND_RANK, "step": SECOND_STEP}], incidents=2),
-    Scenario("nan_op", {"scenario": "nan_op"}, ("non_finite",), "persistent"),
-    Scenario("lr_spike", {"scenario": "lr_spike", "factor": 1000.0}, ("loss_spike", "non_finite"), "persistent"),
-    Scenario("bad_cores", {"scenario": "bad_cores", "factor": 1e4}, ("loss_spike", "non_finite"), "persistent"),
+    # Track B: persistent faults, each diagnosed by counterfactual replay.
+    Scenario("bad_batch", {"scenario": "bad_batch", "sample": 5}, ("non_finite",), "persistent", attribution="data"),
+    Scenario("bad_op", {"scenario": "bad_op"}, ("non_finite",), "persistent", attribution="software"),
+    Scenario("lr_spike", {"scenario": "lr_spike", "factor": 1000.0}, ("loss_spike", "non_finite"), "persistent",
+             attribution="params"),
+    Scenario("bad_cores", {"scenario": "bad_cores", "factor": 1e4, "cpus": [0]}, ("loss_spike", "non_finite"),
+             "persistent", attribution="hardware"),
+    # --policy apply: the prescription is applied and training finishes.
+    Scenario("skip_batch", {"scenario": "bad_batch", "sample": 5}, ("non_finite",), "persistent",
+             attribution="data", policy="apply"),
+    Scenario("adjust_lr", {"scenario": "lr_spike", "factor": 1000.0}, ("loss_spike", "non_finite"), "persistent",
+             attribution="params", policy="apply"),
     Scenario("segv", {"scenario": "segv"}, ("crash",), "persistent", "crash"),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
@@ -98,6 +111,14 @@ def score(s: Scenario, incidents: list[dict]) -> dict:
         row["localised"] = f"rank {inc.get('detected_rank')} step {inc.get('detected_step')}"
     row["pass"] = bool(inc["kind"] in s.kinds and inc.get("classification") == s.classification
                        and (loc is None or loc))
+    if s.attribution:
+        att, pre = inc.get("attribution") or {}, inc.get("prescription") or {}
+        row["attribution"] = f"{att.get('cause')} ({pre.get('action')})" if att else None
+        row["cause_named"] = names_cause(s, pre)
+        row["pass"] = row["pass"] and att.get("cause") == s.attribution and row["cause_named"]
+        if s.policy == "apply":
+            row["applied"] = bool(pre.get("applied")) and bool(inc.get("recovered"))
+            row["pass"] = row["pass"] and row["applied"]
     if s.classification == "transient":
         # Recovered, every time: every incident of the run, no step lost.
         row["incidents"] = len(incidents)
@@ -115,6 +136,30 @@ def score(s: Scenario, incidents: list[dict]) -> dict:
     return row
 
 
+def names_cause(s: Scenario, pre: dict) -> bool:
+    """Does the prescription name what was injected?"""
+    inj = s.inject
+    if s.attribution == "data":
+        return any(b.get("rank") == FAULT_RANK and b.get("step") == FAULT_STEP and b.get("samples") == [inj["sample"]]
+                   for b in pre.get("batches") or [])
+    if s.attribution == "software":
+        return pre.get("op") == "aten::div.Tensor" and str(pre.get("module", "")).endswith("mlp.1") \
+            and bool(pre.get("reproducer"))
+    if s.attribution == "params":
+        return any(c.get("name") == "lr" for c in pre.get("params") or [])
+    if s.attribution == "hardware":
+        d = pre.get("device") or {}
+        return d.get("rank") == FAULT_RANK and d.get("cpus") == inj["cpus"]
+    return False
+
+
+def _final_loss(run_dir: Path) -> float | None:
+    from .replay.coordinator import read_steps
+
+    steps = read_steps(run_dir, 0)
+    return steps[max(steps)].get("loss") if steps else None
+
+
 def run_drills(which: str, steps: int, out: Path, json_out: Path | None) -> int:
     names = [s.name for s in SCENARIOS] if which == "all" else which.split(",")
     unknown = [n for n in names if n not in BY_NAME]
@@ -130,14 +175,10 @@ def run_drills(which: str, steps: int, out: Path, json_out: Path | None) -> int:
     for name in names:
         s = BY_NAME[name]
         inject = [dict(s.inject, rank=FAULT_RANK, step=FAULT_STEP), *s.also]
-        if name == "nan_op":
-            inject[0]["batch_sum"] = _batch_sum(base_dir, FAULT_RANK, FAULT_STEP)
-        if name == "bad_cores":
-            inject[0]["cpus"] = sorted(os.sched_getaffinity(0))
         run_dir = out / name
         print(f"drill: {name}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        res = run(RunConfig(cmd=_job(steps, run_dir), out=run_dir, policy="recover", snapshot_interval=4,
+        res = run(RunConfig(cmd=_job(steps, run_dir), out=run_dir, policy=s.policy, snapshot_interval=4,
                             detect=s.detect, inject=inject, quiet=True))
         row = score(s, res.incidents)
         row["wall_s"] = round(time.monotonic() - t0, 1)
@@ -146,6 +187,11 @@ def run_drills(which: str, steps: int, out: Path, json_out: Path | None) -> int:
         row["bit_identical"] = (sha == _final_sha(base_dir)) if sha else None
         if s.classification == "transient":
             row["pass"] = row["pass"] and row["bit_identical"] is True and res.exit_code == 0
+        if s.policy == "apply":
+            loss = _final_loss(run_dir)
+            row["final_loss"] = loss
+            row["steps"] = res.steps
+            row["pass"] = row["pass"] and res.exit_code == 0 and loss is not None and math.isfinite(loss)
         rows.append(row)
     _print(rows)
     if json_out:
@@ -153,15 +199,9 @@ def run_drills(which: str, steps: int, out: Path, json_out: Path | None) -> int:
     return 0 if all(r["pass"] for r in rows) else 1
 
 
-def _batch_sum(run_dir: Path, rank: int, step: int) -> int:
-    from .replay.coordinator import read_steps
-
-    return read_steps(run_dir, rank)[step]["batch_sum"]
-
-
 def _print(rows: list[dict]) -> None:
-    cols = ("scenario", "detected", "classification", "localised", "recovered", "steps_lost", "resume_s",
-            "bit_identical", "pass")
+    cols = ("scenario", "detected", "classification", "localised", "attribution", "recovered", "steps_lost",
+            "resume_s", "bit_identical", "pass")
     table = [cols] + [tuple("-" if r.get(c) is None else str(r.get(c)) for c in cols) for r in rows]
     widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
     for t in table:

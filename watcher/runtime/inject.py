@@ -11,9 +11,13 @@ Scenarios (all take "rank" and "step"):
   grad_bitflip      flip the top exponent bit of one gradient element before its allreduce (transient)
   allreduce_corrupt flip the top exponent bit of one element of an allreduce output (transient)
   stall             sleep `seconds` before one collective (transient)
-  lr_spike          multiply the learning rate by `factor` from `step` on (persistent)
-  nan_op            GELU outputs NaN whenever the batch has checksum `batch_sum` (persistent, data)
-  bad_cores         a Linear's output is scaled by `factor` while the rank runs on CPUs `cpus` (persistent, device)
+  lr_spike          multiply the learning rate by `factor` at `step` (persistent, params)
+  bad_batch         the batch of `step` arrives with NaN loss weights in sample `sample` (default 5): corrupt
+                    data; recorded as it arrived, so a replay meets it again (persistent, data)
+  bad_op            from `step` on, every rank divides each GELU's output by a scale that has become 0 (a
+                    logic bug in an op, from finite inputs, whatever the batch) (persistent, software)
+  bad_cores         the rank pins itself to CPUs `cpus` (as a job pinning ranks to cores would); from `step`
+                    on, a Linear's output is scaled by `factor` while it runs on them (persistent, device)
   segv              SIGSEGV at the start of `step` (persistent crash)
   link_reset        shut down the rank's gloo connections before one collective (transient network fault)
   merge_bitflip     flip the top exponent bit of one parameter right after a recovery merge, `times`
@@ -32,8 +36,8 @@ import time
 
 import torch
 
-SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "lr_spike", "nan_op", "bad_cores", "segv",
-             "merge_bitflip")
+SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "lr_spike", "bad_batch", "bad_op",
+             "bad_cores", "segv", "merge_bitflip")
 
 
 def _flip_top_exponent_bit(t: torch.Tensor) -> None:
@@ -115,33 +119,40 @@ def _arm_one(rt, f: dict) -> None:
             for g in opt.param_groups:
                 g["lr"] = g["lr"] * float(f.get("factor", 1000.0))
         register_optimizer_step_pre_hook(pre)
-    elif kind == "nan_op":
-        from torch.nn.modules.module import register_module_forward_hook
-
-        target = int(f["batch_sum"])
+    elif kind == "bad_batch":
+        sample = int(f.get("sample", 5))
 
         def batch_hook(rt_, batch):
-            from .checksum import object_sum
-            rt_._inject_poisoned = mine() and object_sum(batch) == target
+            # Live only: the data itself is bad, and the window records the
+            # batch as it arrived, so replays are served the NaN from there.
+            if rt_.step + 1 == step and isinstance(batch, (list, tuple)) and len(batch) > 2 and once():
+                batch[2][sample] = float("nan")
             return batch
         rt.fault_hooks.append(("batch", batch_hook))
+    elif kind == "bad_op":
+        from torch.nn.modules.module import register_module_forward_hook
 
         def fwd(module, inputs, output):
-            if getattr(rt, "_inject_poisoned", False) and isinstance(module, torch.nn.GELU):
-                return output * float("nan")
+            if isinstance(module, torch.nn.GELU):
+                scale = torch.tensor(1.0 if rt.step + 1 < step else 0.0)  # a schedule that reaches 0
+                return output / scale
             return None
         register_module_forward_hook(fwd)
-        if rt.mode == "replay":
-            pass
     elif kind == "bad_cores":
         from torch.nn.modules.module import register_module_forward_hook
 
         bad = set(f.get("cpus", [0]))
         factor = float(f.get("factor", 1e4))
+        pinned = {"done": False}
 
         def fwd(module, inputs, output):
-            if (rt.step + 1 >= step and mine() and isinstance(module, torch.nn.Linear)
-                    and set(os.sched_getaffinity(0)) <= bad and getattr(module, "out_features", 0) == 256):
+            if not mine() or not isinstance(module, torch.nn.Linear):
+                return None
+            if not pinned["done"]:
+                pinned["done"] = True
+                os.sched_setaffinity(0, bad)
+            if (rt.step + 1 >= step and set(os.sched_getaffinity(0)) <= bad
+                    and getattr(module, "out_features", 0) == 256):
                 return output * factor
             return None
         register_module_forward_hook(fwd)

@@ -81,12 +81,15 @@ class TinyLM(nn.Module):
         self.ln_f = nn.LayerNorm(D_MODEL)
         self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h = self.tok(x) + self.pos[: x.shape[1]]
         for block in self.blocks:
             h = block(h)
         logits = self.head(self.ln_f(h))
-        return F.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1))
+        # Per-token loss weights (a loss mask, as padded corpora carry): the
+        # batch's one floating-point field, where corrupt data shows as NaN.
+        per_token = F.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1), reduction="none")
+        return (per_token * w.reshape(-1)).sum() / w.sum()
 
 
 def param_sha256(model: nn.Module) -> str:
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = TinyLM()
     data = make_corpus(args.seed)
-    dataset = TensorDataset(data[:, :-1], data[:, 1:])
+    dataset = TensorDataset(data[:, :-1], data[:, 1:], torch.ones(N_SEQS, SEQ_LEN))
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
 
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
     skip = step % max(len(loader), 1)  # batches of the resumed epoch already trained on
     for epoch in range(step // max(len(loader), 1), math.ceil(args.steps / max(len(loader), 1))):
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for x, y, w in loader:
             if skip:
                 skip -= 1
                 continue
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
                 break
             t0 = time.perf_counter_ns()
             optimizer.zero_grad()
-            loss = ddp_model(x, y)
+            loss = ddp_model(x, y, w)
             loss.backward()
             optimizer.step()
             dt = time.perf_counter_ns() - t0

@@ -1,0 +1,423 @@
+"""Track B: diagnose a persistent failure by counterfactual replay.
+
+Every rank runs `diagnose` after a persistent verdict, while the live ranks
+stay halted at the step boundary.  From the oldest verified snapshot every
+rank holds, the window is replayed (coordinated, in the sandbox) again and
+again, each time with one thing changed (variants.py):
+
+  round 0  trace        op-level tracing: the first non-finite op (or the first
+                        op whose output departs from the step before), its
+                        module and inputs; the failing batch scanned for anomalies
+  round 1  swap_batch   the failing step trained on another recorded batch
+           drop_rows    the anomalous samples removed (only if there are any)
+           lr_hold /    learning rate held at its value at the snapshot (if it
+           lr_low       rose in the window), else a tenth of it
+           clip         gradients clipped at the pre-failure norm
+           other_cores  pinned ranks moved to the CPUs they were not using
+
+Which replays come back clean decides the attribution (data, hardware,
+params, software), with the evidence and a causal chain from root cause to
+symptom, and a prescription taken from the replay that worked.  Under
+`--policy apply` the state of that replay is merged into the live ranks
+(as in Track A) and training goes on from the failing step without the failure.
+
+Rank 0 plans each round and judges; every rank replays its own snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..runtime.control import read_json, write_json
+
+WAIT_S = float(os.environ.get("WATCHER_INCIDENT_WAIT", "600"))
+PARAM_VARIANTS = ("lr_hold", "lr_low", "clip")
+
+
+def diagnose(rt, info: dict, plan: dict, inc_dir: Path) -> dict | None:
+    """Run the diagnosis on every rank; returns the outcome rank 0 wrote
+    ({"apply": variant or None}), or None when no diagnosis was possible."""
+    ddir = inc_dir / "diagnosis"
+    ddir.mkdir(exist_ok=True)
+    iid = info["incident_id"]
+    if rt.rank == 0:
+        write_json(ddir / "round0.json", plan_trace(rt, info, plan, inc_dir))
+    rt.ctl.wait(lambda: (ddir / "round0.json").exists(), WAIT_S, "the diagnosis plan")
+    first = read_json(ddir / "round0.json")
+    if first.get("from_step") is None:
+        return None
+    dplan = dict(plan, from_step=first["from_step"])
+    snap = rt.snapshot_at(first["from_step"])
+    t0 = time.monotonic()
+    for rnd in (0, 1):
+        path = ddir / f"round{rnd}.json"
+        rt.ctl.wait(lambda: path.exists(), WAIT_S, f"diagnosis round {rnd}")
+        for i, var in enumerate(read_json(path)["variants"]):
+            _say(rt, f"{iid}: counterfactual replay {var['name']}")
+            _replay_variant(rt, snap, var, dplan, ddir, iid)
+        if rt.rank == 0 and rnd == 0:
+            trace = _wait_results(rt, ddir / "trace")
+            write_json(ddir / "round1.json", {"variants": plan_counterfactuals(rt, info, dplan, trace)})
+    if rt.rank == 0:
+        names = ["trace"] + [v["name"] for v in read_json(ddir / "round1.json")["variants"]]
+        results = {n: _wait_results(rt, ddir / n) for n in names}
+        variants = {v["name"]: v for v in read_json(ddir / "round1.json")["variants"]}
+        outcome = judge(rt, info, dplan, results, variants, inc_dir)
+        outcome["diagnosis_s"] = round(time.monotonic() - t0, 3)
+        write_json(ddir / "done.json", outcome)
+    rt.ctl.wait(lambda: (ddir / "done.json").exists(), WAIT_S, "the diagnosis")
+    return read_json(ddir / "done.json")
+
+
+def _replay_variant(rt, snap, var: dict, plan: dict, ddir: Path, iid: str) -> None:
+    out = ddir / var["name"]
+    exchange = rt.window_dir / f"exchange-{iid}-{var['name']}"
+    exchange.mkdir(exist_ok=True)
+    mine = {"rank": rt.rank}
+    try:
+        if snap is None:
+            mine["error"] = f"snapshot {plan['from_step']} is gone"
+        else:
+            mine.update(snap.replay(plan["to_step"], out, timeout=plan.get("replay_timeout_s", 120.0),
+                                    exchange=exchange, variant=var))
+    except Exception as e:
+        mine["error"] = f"replay failed: {e}"
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / f"replayed.rank{rt.rank}.json", mine)
+    import shutil
+
+    shutil.rmtree(exchange, ignore_errors=True)
+
+
+def _wait_results(rt, out: Path) -> list[dict]:
+    rt.ctl.wait(lambda: all((out / f"replayed.rank{r}.json").exists() for r in range(rt.world)), WAIT_S,
+                f"every rank's {out.name} replay")
+    results = []
+    for r in range(rt.world):
+        try:
+            results.append(torch.load(out / f"rank{r}.result.pt", weights_only=False))
+        except Exception:
+            results.append({"rank": r, "status": "no_result"})
+    return results
+
+
+def _say(rt, msg: str) -> None:
+    if rt.rank == 0:
+        print(f"watcher: {msg}", file=sys.stderr, flush=True)
+
+
+# -- planning (rank 0) ------------------------------------------------------------------------
+
+def plan_trace(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
+    """Round 0: from the oldest verified snapshot every rank holds, so the
+    window reaches back before a cause that came a few steps early."""
+    from .coordinator import read_steps
+
+    arrivals = [read_json(inc_dir / f"arrive.rank{r}.json") for r in range(rt.world)]
+    common = set(arrivals[0]["snapshots"])
+    for a in arrivals[1:]:
+        common &= set(a["snapshots"])
+    steps = [read_steps(rt.run_dir, r) for r in range(rt.world)]
+    k = info["failing_step"]
+    v = None
+    for cand in sorted(s for s in common if s < k):
+        sums = {steps[r].get(cand, {}).get("param_sum") for r in range(rt.world)}
+        if len(sums) == 1 and None not in sums:
+            v = cand
+            break
+    _say(rt, f"diagnosing {info['incident_id']}: counterfactual replays of steps {v}..{plan['to_step']}"
+         if v is not None else f"diagnosing {info['incident_id']}: no verified snapshot to replay from")
+    return {"from_step": v, "to_step": plan["to_step"],
+            "variants": [{"name": "trace", "trace": {"failing_step": k}}]}
+
+
+def plan_counterfactuals(rt, info: dict, plan: dict, trace: list[dict]) -> list[dict]:
+    k = info["failing_step"]
+    anomalous = {r: res.get("batch_anomalies") or [] for r, res in enumerate(trace)}
+    bad_ranks = [r for r, a in anomalous.items() if a]
+    out = [{"name": "swap_batch", "swap_batch": {"step": k, "ranks": bad_ranks or list(range(rt.world))}}]
+    if bad_ranks:
+        out.append({"name": "drop_rows", "drop_rows": {"step": k, "rows": {
+            str(r): sorted({a["sample"] for a in anomalous[r]}) for r in bad_ranks}}})
+    steps = trace[0].get("steps") or {}
+    lrs = [(s, steps[s].get("lr")) for s in sorted(steps) if steps[s].get("lr")]
+    rose = lrs and any(max(lr) > max(lrs[0][1]) for _, lr in lrs)
+    # lr after the first replayed step is the snapshot's unless it rose there already;
+    # holding it at the snapshot's value is what lr_factor 1.0 does.
+    out.append({"name": "lr_hold", "lr_factor": 1.0} if rose else {"name": "lr_low", "lr_factor": 0.1})
+    norms = [steps[s]["grad_norm"] for s in sorted(steps) if s < k and math.isfinite(steps[s].get("grad_norm") or math.nan)]
+    if norms:
+        out.append({"name": "clip", "clip": sorted(norms)[len(norms) // 2]})
+    cpus = _other_cores(rt)
+    if cpus:
+        out.append({"name": "other_cores", "cpus": cpus})
+    return out
+
+
+def _other_cores(rt) -> dict:
+    """Ranks pinned to a subset of the machine's CPUs, moved to the rest."""
+    every = set(range(os.cpu_count() or 1))
+    moved = {}
+    for r in range(rt.world):
+        got = read_json(rt.run_dir / "incidents" / "affinity" / f"rank{r}.json") if \
+            (rt.run_dir / "incidents" / "affinity" / f"rank{r}.json").exists() else None
+        if got and set(got) < every:
+            moved[str(r)] = sorted(every - set(got))
+    return moved
+
+
+def record_affinity(rt) -> None:
+    """Each rank says where it runs (its CPU set) before a diagnosis."""
+    d = rt.run_dir / "incidents" / "affinity"
+    d.mkdir(parents=True, exist_ok=True)
+    write_json(d / f"rank{rt.rank}.json", sorted(os.sched_getaffinity(0)))
+
+
+# -- judging (rank 0) --------------------------------------------------------------------------
+
+def _clean(rt, plan: dict, results: list[dict]) -> tuple[bool, str | None]:
+    from .coordinator import recoverable
+
+    got = recoverable(rt, plan, results)
+    return bool(got["possible"]), got.get("reason")
+
+
+def judge(rt, info: dict, plan: dict, results: dict, variants: dict, inc_dir: Path) -> dict:
+    """Attribution, causal chain and prescription from the replays' outcomes;
+    written into the incident.  Returns {"apply": variant name or None}."""
+    inc_path = rt.run_dir / "incidents" / f"{info['incident_id']}.json"
+    verdict = read_json(inc_path)
+    outcomes = {}
+    for name, res in results.items():
+        clean, why = _clean(rt, plan, res)
+        outcomes[name] = {"clean": clean, "reason": why,
+                          "changed": {k: v for k, v in (variants.get(name) or {"trace": True}).items() if k != "name"},
+                          "wall_s": max((r.get("wall_ns") or 0) for r in res) / 1e9}
+    trace = results["trace"]
+    origin = _origin(trace)
+    anomalies = {r: res.get("batch_anomalies") or [] for r, res in enumerate(trace)}
+    cause, confidence, root, prescription, apply = _attribute(rt, info, plan, outcomes, trace, origin, anomalies,
+                                                              variants)
+    chain = ([root] if root else []) + _symptoms(info, trace, origin)
+    if cause in ("software", "hardware") and origin and trace[origin["rank"]].get("trace", {}).get("culprit_inputs"):
+        path = write_reproducer(inc_dir / "reproducer", info, origin, trace[origin["rank"]]["trace"]["culprit_inputs"],
+                                cause)
+        prescription["reproducer"] = str(path)
+    verdict["attribution"] = {"cause": cause, "confidence": confidence,
+                              "evidence": [f"{n}: {'clean' if o['clean'] else 'fails'}"
+                                           + (f" ({o['reason']})" if o["reason"] and not o["clean"] else "")
+                                           for n, o in outcomes.items()]}
+    verdict["causal_chain"] = chain
+    verdict["prescription"] = prescription
+    verdict["diagnosis"] = {"from_step": plan["from_step"], "to_step": plan["to_step"], "replays": outcomes,
+                            "first_nonfinite": origin if origin and origin.get("nonfinite") else None,
+                            "departure": origin if origin and not origin.get("nonfinite") else None,
+                            "batch_anomalies": {r: a for r, a in anomalies.items() if a}}
+    apply = apply if rt.policy == "apply" else None
+    if apply:
+        verdict["recovery"] = {"possible": True, "reason": None, "from_variant": apply}
+    write_json(inc_path, verdict)
+    _say(rt, f"{info['incident_id']}: {cause} (confidence {confidence}); prescription {prescription['action']}"
+         + (f", applying it ({apply})" if apply else ""))
+    return {"apply": apply, "cause": cause}
+
+
+def _origin(trace: list[dict]) -> dict | None:
+    """Where the failure starts: the earliest first non-finite op over the
+    ranks (a rank that received NaN through a collective meets it after that
+    collective), else the earliest departing op."""
+    for key in ("first_nonfinite", "departure"):
+        found = [dict(res["trace"][key], rank=r) for r, res in enumerate(trace)
+                 if (res.get("trace") or {}).get(key)]
+        if found:
+            return min(found, key=lambda o: (o["step"], o.get("phase") != "forward", o["colls_before"], o["i"], o["rank"]))
+    return None
+
+
+def _attribute(rt, info, plan, outcomes, trace, origin, anomalies, variants):
+    k = info["failing_step"]
+    ok = {n for n, o in outcomes.items() if o["clean"]}
+    if "trace" in ok:
+        return ("unknown", 0.0, None, {"action": "none", "reason": "the failure did not reproduce from the older snapshot"},
+                None)
+    bad = {r: a for r, a in anomalies.items() if a}
+    if bad and ({"drop_rows", "swap_batch"} & ok):
+        used = "drop_rows" if "drop_rows" in ok else "swap_batch"
+        batches = [{"rank": r, "step": k, "batch_index": trace[r].get("batch_index"),
+                    "samples": sorted({x["sample"] for x in a})} for r, a in bad.items()]
+        ev = "; ".join(x["evidence"] for a in bad.values() for x in a[:3])
+        root = {"kind": "batch", "step": k, "rank": min(bad), "module": None, "op": None, "collective": None,
+                "batch_index": batches[0]["batch_index"], "samples": batches[0]["samples"],
+                "evidence": f"{ev}; without them ({used}) the window replays clean"}
+        return ("data", 0.95 if used == "drop_rows" else 0.8, root,
+                {"action": "skip_batch", "batches": batches, "verified_by": used, "applied": False}, used)
+    if "other_cores" in ok:
+        moved = variants["other_cores"]["cpus"]
+        r = int(min(moved))
+        was = sorted(set(range(os.cpu_count() or 1)) - set(moved[str(r)]))
+        device = {"host": socket.gethostname(), "rank": r, "kind": "cpu", "cpus": was}
+        root = {"kind": "device", "step": k, "rank": r, "module": None, "op": None, "collective": None,
+                "evidence": f"rank {r} on CPUs {was} fails; the same inputs replayed on CPUs {moved[str(r)]} are clean"}
+        return ("hardware", 0.9, root, {"action": "quarantine_device", "device": device,
+                                        "move_to": {"cpus": moved[str(r)]}, "verified_by": "other_cores",
+                                        "applied": False}, "other_cores")
+    params = [n for n in PARAM_VARIANTS if n in ok]
+    if params and not bad:
+        used = params[0]
+        v = variants[used]
+        steps = trace[0].get("steps") or {}
+        lr_seq = [(s, steps[s]["lr"]) for s in sorted(steps) if steps[s].get("lr")]
+        if "lr_factor" in v:
+            base = lr_seq[0][1] if lr_seq else None
+            target = [x * v["lr_factor"] for x in base] if base else None
+            change = [{"param_group": i, "name": "lr", "to": t} for i, t in enumerate(target or [])]
+            rise = next(((s, lr) for s, lr in lr_seq if base and max(lr) > max(base)), None)
+            ev = (f"learning rate rose from {max(base):g} to {max(rise[1]):g} at step {rise[0]}" if rise
+                  else f"training at learning rate {max(base):g} is unstable here") if base else "learning rate"
+            root = {"kind": "hyperparameter", "step": rise[0] if rise else k, "rank": None, "module": None, "op": None,
+                    "collective": None, "evidence": f"{ev}; replayed with lr {max(target):g} the window is clean"}
+        else:
+            change = [{"name": "max_grad_norm", "to": v["clip"]}]
+            root = {"kind": "hyperparameter", "step": k, "rank": None, "module": None, "op": None, "collective": None,
+                    "evidence": f"gradients clipped at the pre-failure norm {v['clip']:.4g} make the window clean"}
+        return ("params", 0.85, root, {"action": "adjust_params", "params": change, "verified_by": used,
+                                       "applied": False}, used)
+    if origin and not ok:
+        finite = origin.get("inputs_finite", True)
+        root = {"kind": "op", "step": origin["step"], "rank": origin["rank"], "module": origin["module"],
+                "op": origin["op"], "collective": None,
+                "evidence": (f"{origin['op']} in {origin['module']} produced {origin['nonfinite']} non-finite values "
+                             f"from {'finite' if finite else 'non-finite'} inputs"
+                             if origin.get("nonfinite") else
+                             f"{origin['op']} in {origin['module']} output norm {origin['norm']:.4g}, "
+                             f"{origin['ratio']:.3g}x {origin.get('compared_with')}")
+                            + "; it fails with another batch, a lower learning rate"
+                            + (" and on other CPUs" if "other_cores" in outcomes else "")}
+        return ("software", 0.8 if finite else 0.6, root,
+                {"action": "fix_kernel", "op": origin["op"], "module": origin["module"], "step": origin["step"],
+                 "rank": origin["rank"], "applied": False}, None)
+    return ("unknown", 0.0, None, {"action": "none", "reason": "no counterfactual isolated the cause"}, None)
+
+
+def _symptoms(info: dict, trace: list[dict], origin: dict | None) -> list[dict]:
+    """From the first bad op to the detector: op, loss, the collective that
+    spread it, the detection."""
+    links = []
+    if origin:
+        links.append({"kind": "op", "step": origin["step"], "rank": origin["rank"], "module": origin["module"],
+                      "op": origin["op"], "collective": None, "phase": origin.get("phase"),
+                      "evidence": (f"first non-finite output ({origin['nonfinite']} values, shape {origin['shape']}) from "
+                                   + ("finite" if origin.get("inputs_finite") else "non-finite") + " inputs"
+                                   if origin.get("nonfinite") else
+                                   f"first departing output: norm {origin['norm']:.4g} vs {origin['before_norm']:.4g} "
+                                   f"for {origin.get('compared_with', 'the same op the step before')}")})
+        r, k = origin["rank"], origin["step"]
+        fp = ((trace[r].get("steps") or {}).get(k)) or {}
+        if fp:
+            links.append({"kind": "loss", "step": k, "rank": r, "module": None, "op": None, "collective": None,
+                          "evidence": f"loss {fp.get('loss')} at step {k} on rank {r}"})
+        spread = next((c for c in trace[r].get("colls") or [] if c["step"] >= k and c.get("out_nonfinite")), None)
+        if spread:
+            links.append({"kind": "collective", "step": spread["step"], "rank": r, "module": None, "op": None,
+                          "collective": {"group": spread["group"], "seq": spread["seq"], "op": spread["op"]},
+                          "evidence": f"{spread['op']} #{spread['seq']} spread non-finite values to ranks "
+                                      f"0..{len(trace) - 1}"})
+    links.append({"kind": "detector", "step": info["failing_step"], "rank": info["rank"], "module": None, "op": None,
+                  "collective": None, "evidence": f"{info['kind']} detected at step {info['failing_step']} "
+                                                  f"on rank {info['rank']}"})
+    return links
+
+
+# -- the standalone reproducer ---------------------------------------------------------------
+
+REPRO = '''"""Standalone reproducer: {op} in module {module}, step {step}, rank {rank} ({cause}).
+
+Needs only torch.  Calls the op once on the saved inputs (inputs.pt, next to
+this file) and checks its output: exit 1 if the failure reproduces here
+(non-finite output, or an output norm far from the one recorded on a healthy
+replay), 0 if it does not.
+"""
+import math
+import os
+import sys
+
+import torch
+
+here = os.path.dirname(os.path.abspath(__file__))
+saved = torch.load(os.path.join(here, "inputs.pt"), weights_only=False)
+ns, _, rest = saved["op"].partition("::")
+name, _, overload = rest.partition(".")
+op = getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
+out = op(*saved["args"], **saved["kwargs"])
+outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+bad = sum(int(t.numel() - torch.isfinite(t).sum()) for t in outs if t.is_floating_point())
+print(f"{{saved['op']}}: {{bad}} non-finite output values")
+if bad:
+    print("reproduced")
+    sys.exit(1)
+if saved.get("healthy_norm"):
+    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in outs if t.is_floating_point()))
+    ratio = norm / saved["healthy_norm"]
+    print(f"output norm {{norm:.6g}}, {{ratio:.3g}}x the healthy replay's")
+    if ratio > 10 or ratio < 0.1:
+        print("reproduced")
+        sys.exit(1)
+print("not reproduced")
+'''
+
+
+def write_reproducer(out: Path, info: dict, origin: dict, inputs: dict, cause: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    saved = dict(inputs, healthy_norm=origin.get("before_norm"))
+    torch.save(saved, out / "inputs.pt")
+    script = out / "repro.py"
+    script.write_text(REPRO.format(op=origin["op"], module=origin["module"], step=origin["step"], rank=origin["rank"],
+                                   cause=cause))
+    return script
+
+
+# -- applying the prescription (every rank, after the merge) ---------------------------------
+
+def apply_effects(rt, info: dict) -> None:
+    """What the prescription changes from now on, beyond the merged state:
+    the adjusted parameter stays adjusted, the quarantined CPUs stay unused."""
+    inc_path = rt.run_dir / "incidents" / f"{info['incident_id']}.json"
+    verdict = read_json(inc_path)
+    p = verdict.get("prescription") or {}
+    if p.get("action") == "adjust_params" and rt.main_opt is not None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        opt = rt.main_opt
+        caps = {c["param_group"]: c["to"] for c in p["params"] if c["name"] == "lr"}
+        clip = next((c["to"] for c in p["params"] if c["name"] == "max_grad_norm"), None)
+
+        def adjusted(o, args, kwargs):
+            if o is not opt:
+                return
+            for i, g in enumerate(o.param_groups):
+                if i in caps:
+                    g["lr"] = min(g["lr"], caps[i])
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([q for g in o.param_groups for q in g["params"]], clip)
+        register_optimizer_step_pre_hook(adjusted)
+    elif p.get("action") == "quarantine_device" and p["device"]["rank"] == rt.rank:
+        os.sched_setaffinity(0, p["move_to"]["cpus"])
+        quarantine(rt.run_dir, p["device"], info["incident_id"])
+    if rt.rank == 0:
+        verdict["prescription"] = dict(p, applied=True, applied_at_step=rt.step + 1)
+        write_json(inc_path, verdict)
+
+
+def quarantine(run_dir: Path, device: dict, incident_id: str) -> None:
+    """DIR/quarantine.json: devices this run stopped using, and why."""
+    path = run_dir / "quarantine.json"
+    found = read_json(path) if path.exists() else []
+    found.append(dict(device, incident_id=incident_id, ts=time.time()))
+    write_json(path, found)
