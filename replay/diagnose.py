@@ -205,7 +205,10 @@ def judge(rt, info: dict, plan: dict, results: dict, variants: dict, inc_dir: Pa
     anomalies = {r: res.get("batch_anomalies") or [] for r, res in enumerate(trace)}
     cause, confidence, root, prescription, apply = _attribute(rt, info, plan, outcomes, trace, origin, anomalies,
                                                               variants)
-    chain = ([root] if root else []) + _symptoms(info, trace, origin)
+    symptoms = _symptoms(info, trace, origin)
+    if root and root["kind"] == "op":  # the culprit op is the root itself
+        symptoms = [link for link in symptoms if link["kind"] != "op"]
+    chain = ([root] if root else []) + symptoms
     if cause in ("software", "hardware") and origin and trace[origin["rank"]].get("trace", {}).get("culprit_inputs"):
         path = write_reproducer(inc_dir / "reproducer", info, origin, trace[origin["rank"]]["trace"]["culprit_inputs"],
                                 cause)
@@ -298,7 +301,7 @@ def _attribute(rt, info, plan, outcomes, trace, origin, anomalies, variants):
                              if origin.get("nonfinite") else
                              f"{origin['op']} in {origin['module']} output norm {origin['norm']:.4g}, "
                              f"{origin['ratio']:.3g}x {origin.get('compared_with')}")
-                            + "; it fails with another batch, a lower learning rate"
+                            + "; it fails as well with another batch, a lower learning rate, clipped gradients"
                             + (" and on other CPUs" if "other_cores" in outcomes else "")}
         return ("software", 0.8 if finite else 0.6, root,
                 {"action": "fix_kernel", "op": origin["op"], "module": origin["module"], "step": origin["step"],

@@ -16,6 +16,7 @@ The culprit op's inputs are kept, so a standalone reproducer can call it again.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 
@@ -31,6 +32,16 @@ PASS_THROUGH = {"detach", "alias", "view", "_unsafe_view", "reshape", "clone", "
                 "contiguous", "split", "split_with_sizes", "unbind", "unsqueeze", "squeeze", "index_select",
                 "cat", "stack", "empty_like", "zeros_like", "ones_like", "new_empty", "new_zeros", "_reshape_alias",
                 "view_as", "expand_as", "narrow", "chunk", "flatten"}
+
+
+@contextlib.contextmanager
+def untraced():
+    """Watcher's own work in a traced replay (checksums, the exchange, scans)
+    runs outside the trace: only the program's ops may be blamed."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def module_names() -> dict[int, str]:

@@ -12,6 +12,7 @@ and exits without running any of the program's exit code.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -55,6 +56,14 @@ class ReplayState:
         self.extra: dict = {}                        # what the variant observed, for the result
         self.tracer = None
 
+    def untraced(self):
+        """Around Watcher's own work while the op trace of a counterfactual runs."""
+        if self.tracer is None:
+            return contextlib.nullcontext()
+        from .optrace import untraced
+
+        return untraced()
+
     def batch(self, idx, it, orig):
         if idx not in self.window.batches:
             self.finish("record_exhausted", f"batch {idx} is not in the window")
@@ -64,10 +73,15 @@ class ReplayState:
         if self.variant:
             from . import variants
 
-            b = variants.batch(self.rt, self, self.variant, idx, b)
+            with self.untraced():
+                b = variants.batch(self.rt, self, self.variant, idx, b)
         return b
 
     def collective(self, rt, meta: dict, ins: list, outs: list, members: list[int]):
+        with self.untraced():
+            return self._collective(rt, meta, ins, outs, members)
+
+    def _collective(self, rt, meta: dict, ins: list, outs: list, members: list[int]):
         key = (meta["group"], meta["seq"])
         rec = self.window.colls.get(key)
         if rec is None:

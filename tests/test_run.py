@@ -164,11 +164,13 @@ def test_killed_watcher_leaves_training_running_to_a_correct_finish(tmp_path, pl
 @needs_bpf
 def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
     out = tmp_path / "drills.json"
-    p = watcher("drill", "--steps", "22", "--out", str(tmp_path / "d"), "--json", str(out), timeout=1200)
+    # The persistent drills diagnosed by counterfactual replay are in test_diagnose.py.
+    p = watcher("drill", "--steps", "22", "--out", str(tmp_path / "d"), "--json", str(out), "--scenario",
+                "grad_bitflip,allreduce_corrupt,stall,link_reset,merge_bitflip,two_transients,segv", timeout=1200)
     card = json.loads(out.read_text())["scenarios"]
     by = {row["scenario"]: row for row in card}
     assert set(by) == {"grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "merge_bitflip", "two_transients",
-                       "nan_op", "lr_spike", "bad_cores", "segv"}
+                       "segv"}
     failed = [r for r in card if not r["pass"]]
     assert not failed, f"{failed}\n{p.stdout}\n{p.stderr[-3000:]}"
     assert p.returncode == 0
@@ -184,8 +186,7 @@ def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
             == ("transient", True, 0, True, 0), row
     assert by["two_transients"]["incidents"] == 2
     assert by["merge_bitflip"]["merge_retried"] is True  # the corrupted merge was caught and redone
-    for name in ("nan_op", "lr_spike", "bad_cores", "segv"):
-        assert by[name]["classification"] == "persistent"
+    assert by["segv"]["classification"] == "persistent"
 
 
 def test_run_rejects_bad_input_with_one_line(tmp_path):

@@ -150,6 +150,34 @@ def analyze(
     sys.stdout.write(json.dumps(report, default=str, indent=2) + "\n" if format == "json" else render_text(report))
 
 
+@app.command(epilog="Examples:\n\n  watcher report run1\n\n  watcher report run1/recording.duckdb --html run1.html")
+def report(
+    rec: list[str] = typer.Argument(..., help="Run directory or recording(s)."),
+    html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML page here."),
+):
+    """Incidents of a run: verdict, attribution, causal chain, prescription; optionally as an HTML page with plots."""
+    from .report import report as make_report
+
+    sys.stdout.write(make_report(rec, Path(html) if html else None))
+    if html:
+        print(f"wrote {html}", file=sys.stderr)
+
+
+@app.command(epilog="Examples:\n\n  watcher export run1 --perfetto run1.trace.json   (open it in ui.perfetto.dev)")
+def export(
+    rec: list[str] = typer.Argument(..., help="Run directory or recording(s)."),
+    perfetto: Optional[str] = typer.Option(None, "--perfetto", help="Write Chrome Trace Event JSON (Perfetto UI opens it)."),
+):
+    """Export a recording as a trace: ranks as processes, steps and collectives as slices, syscalls on threads."""
+    from .trace_export import export as export_trace
+
+    if not perfetto:
+        raise UsageError("say what to export: --perfetto FILE")
+    got = export_trace(rec, Path(perfetto))
+    print(f"wrote {perfetto}: {got['events']} slices"
+          + (f" ({got['syscalls_left_out']} syscalls left out)" if got["syscalls_left_out"] else ""), file=sys.stderr)
+
+
 @app.command()
 def check(pid: Optional[int] = typer.Option(None, "--pid", help="Also look for libtorch/libcudart/libnccl in this process.")):
     """Readiness check: kernel, BTF, tracefs, bcc, privileges, libraries, GPUs; names the fix for each failure."""

@@ -1,6 +1,6 @@
 """`watcher drill`: inject known faults into the reference workload and score Watcher.
 
-Each scenario is one `watcher run --policy recover` of the 2-rank reference
+Each scenario is one `watcher run --policy recover` (or `apply`) of the 2-rank reference
 job with one fault, or two (see watcher.runtime.inject).  The scorecard
 compares what Watcher concluded with the fault that was injected (only this
 module knows both) and, for transient faults, whether training recovered: no
@@ -118,6 +118,8 @@ def score(s: Scenario, incidents: list[dict]) -> dict:
         row["pass"] = row["pass"] and att.get("cause") == s.attribution and row["cause_named"]
         if s.policy == "apply":
             row["applied"] = bool(pre.get("applied")) and bool(inc.get("recovered"))
+            row["recovered"], row["steps_lost"] = inc.get("recovered"), inc.get("steps_lost")
+            row["resume_s"] = (inc.get("recovery") or {}).get("detect_to_resume_s")
             row["pass"] = row["pass"] and row["applied"]
     if s.classification == "transient":
         # Recovered, every time: every incident of the run, no step lost.

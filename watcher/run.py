@@ -400,7 +400,7 @@ def ingest(out: Path) -> list[dict]:
         for (g, seq), c in sorted(read_colls(out, r).items(), key=lambda kv: kv[1]["ts"]):
             coll_rows.append((r, g, seq, c["op"], c["step"], c.get("numel"), c.get("dtype"), c.get("reduce_op"),
                               _i64(c.get("in_sum")), _i64(c.get("out_sum")), c.get("site"), c["ts"], c.get("dur")))
-    incidents, inc_rows, sandbox_rows = [], [], []
+    incidents, inc_rows, sandbox_rows, chain_rows = [], [], [], []
     for p in sorted((out / "incidents").glob("inc-*.json")):
         with open(p) as f:
             inc = json.load(f)
@@ -415,7 +415,15 @@ def ingest(out: Path) -> list[dict]:
                          f"{c.get('group')}/{c.get('seq')} {c.get('op')}" if c else None, div.get("where"),
                          inc.get("classification"), inc.get("track"), inc.get("transient_cause"),
                          inc.get("recovered"), inc.get("resumed_at_step"), inc.get("steps_lost"),
-                         ((inc.get("recovery") or {}).get("detect_to_resume_s")), json.dumps(inc)))
+                         ((inc.get("recovery") or {}).get("detect_to_resume_s")),
+                         (inc.get("attribution") or {}).get("cause"), (inc.get("attribution") or {}).get("confidence"),
+                         (inc.get("prescription") or {}).get("action"), (inc.get("prescription") or {}).get("applied"),
+                         json.dumps(inc)))
+        for i, link in enumerate(inc.get("causal_chain") or []):
+            c = link.get("collective")
+            chain_rows.append((inc["incident_id"], i, link.get("kind"), link.get("step"), link.get("rank"),
+                               link.get("module"), link.get("op"),
+                               f"{c.get('group')}/{c.get('seq')} {c.get('op')}" if c else None, link.get("evidence")))
         for log in sorted((out / "incidents" / inc["incident_id"]).glob("rank*.sandbox.jsonl")):
             rank = int(log.name[4:].split(".")[0])
             with open(log) as f:
@@ -429,7 +437,7 @@ def ingest(out: Path) -> list[dict]:
     con = duckdb.connect(str(out / "recording.duckdb"))
     try:
         for table, rows in (("step", step_rows), ("collective_io", coll_rows), ("incident", inc_rows),
-                            ("sandbox_event", sandbox_rows)):
+                            ("sandbox_event", sandbox_rows), ("causal_link", chain_rows)):
             con.execute(schema.TABLE_BY_NAME[table].ddl())
             if rows:
                 n = len(rows[0])

@@ -348,18 +348,28 @@ class Recordings:
 
     def _union_views(self) -> None:
         n = len(self.paths)
+        # Recordings written before a table or column existed read as NULLs there.
+        present = {}
+        for db, table, col in self.con.execute(
+                "SELECT database_name, table_name, column_name FROM duckdb_columns() WHERE database_name LIKE 'rec%'"
+        ).fetchall():
+            present.setdefault((db, table), set()).add(col)
         for t in schema.TABLES:
             parts = []
             for i in range(n):
+                have = present.get((f"rec{i}", t.name))
                 cols = []
                 for c in t.columns:
-                    if c.surrogate and n > 1:
+                    if have is None or c.name not in have:
+                        cols.append(f"CAST(NULL AS {c.type}) AS {c.name}")
+                    elif c.surrogate and n > 1:
                         cols.append(f"{c.name} + {i * ID_STRIDE} AS {c.name}")
                     else:
                         cols.append(c.name)
                 if n > 1:
                     cols.append(f"{i} AS recording")
-                parts.append(f"SELECT {', '.join(cols)} FROM rec{i}.{t.name}")
+                parts.append(f"SELECT {', '.join(cols)} FROM rec{i}.{t.name}" if have is not None
+                             else f"SELECT {', '.join(cols)} WHERE false")
             self.con.execute(f"CREATE TEMP VIEW {t.name} AS " + " UNION ALL ".join(parts))
         for v in schema.VIEWS:
             self.con.execute(f"CREATE TEMP VIEW {v.name} AS {v.sql}")

@@ -275,7 +275,9 @@ class RankRuntime:
             self.batch_sums.clear()
             return
         if self.mode == "replay":
-            self.replay.step_end(self, self.fingerprint())
+            with self.replay.untraced():
+                fp = self.fingerprint()
+            self.replay.step_end(self, fp)
             return
         self.step_end()
 

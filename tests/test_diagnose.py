@@ -1,0 +1,205 @@
+"""Track B: persistent failures diagnosed by counterfactual replay.
+
+Each persistent drill injects a known cause into the real 2-rank reference job
+(gloo, CPU) under `watcher run`; the ground truth is that injected cause:
+the rank, step and sample of a corrupt batch, the op and module of a logic
+bug, the learning-rate spike, the CPUs a faulty "device" runs on.  Diagnosis
+must name it, with the chain and a prescription; under --policy apply the
+prescription must be applied and training finish.  The report and the trace
+export are then checked on those real recordings."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, needs_bpf, query, watcher
+
+PERSISTENT = ("bad_batch", "bad_op", "lr_spike", "bad_cores", "skip_batch", "adjust_lr")
+
+
+@pytest.fixture(scope="module")
+def drills(tmp_path_factory):
+    d = tmp_path_factory.mktemp("drills")
+    card = d / "card.json"
+    p = watcher("drill", "--steps", "22", "--scenario", ",".join(PERSISTENT), "--out", str(d / "d"),
+                "--json", str(card), timeout=1500)
+    rows = {r["scenario"]: r for r in json.loads(card.read_text())["scenarios"]}
+    return d / "d", rows, p
+
+
+def incident(run: Path) -> dict:
+    return json.loads((run / "incidents" / "inc-0001.json").read_text())
+
+
+@needs_bpf
+def test_every_persistent_drill_is_attributed_to_its_injected_cause(drills):
+    out, rows, p = drills
+    assert set(rows) == set(PERSISTENT)
+    failed = [r for r in rows.values() if not r["pass"]]
+    assert not failed, f"{failed}\n{p.stdout}\n{p.stderr[-3000:]}"
+    assert p.returncode == 0
+    assert {n: rows[n]["attribution"] for n in PERSISTENT} == {
+        "bad_batch": "data (skip_batch)", "bad_op": "software (fix_kernel)", "lr_spike": "params (adjust_params)",
+        "bad_cores": "hardware (quarantine_device)", "skip_batch": "data (skip_batch)",
+        "adjust_lr": "params (adjust_params)"}
+
+
+@needs_bpf
+def test_bad_batch_names_rank_step_and_sample_and_the_chain(drills):
+    out, rows, _ = drills
+    inc = incident(out / "bad_batch")
+    assert inc["prescription"]["batches"] == [{"rank": 1, "step": 12, "batch_index": 12, "samples": [5]}]
+    chain = inc["causal_chain"]
+    assert [link["kind"] for link in chain] == ["batch", "op", "loss", "collective", "detector"]
+    assert chain[0]["rank"] == 1 and chain[0]["samples"] == [5]
+    assert "non-finite values in field 2" in chain[0]["evidence"]  # the loss-weight field the drill poisoned
+    assert chain[1]["op"] == "aten::mul.Tensor" and chain[1]["rank"] == 1  # the first op to consume it
+    assert chain[3]["collective"]["op"] == "allreduce"  # how rank 0 got the NaN
+    replays = inc["diagnosis"]["replays"]
+    assert not replays["trace"]["clean"] and replays["drop_rows"]["clean"] and replays["swap_batch"]["clean"]
+    assert not replays["lr_low"]["clean"]
+    # The same, through SQL.
+    rec = out / "bad_batch" / "recording.duckdb"
+    assert query(rec, "SELECT attribution, prescription, prescription_applied FROM incident") == \
+        [("data", "skip_batch", False)]
+    assert query(rec, "SELECT position, kind, step, rank FROM causal_link ORDER BY position")[:2] == \
+        [(0, "batch", 12, 1), (1, "op", 12, 1)]
+
+
+@needs_bpf
+def test_bad_op_is_software_with_a_reproducer_that_runs_without_watcher(drills, tmp_path):
+    out, rows, _ = drills
+    inc = incident(out / "bad_op")
+    pre = inc["prescription"]
+    assert (pre["action"], pre["op"], pre["module"]) == ("fix_kernel", "aten::div.Tensor", "blocks.0.mlp.1")
+    assert inc["causal_chain"][0]["kind"] == "op" and "from finite inputs" in inc["causal_chain"][0]["evidence"]
+    # Every counterfactual still fails: not the data, not the learning rate.
+    assert not any(r["clean"] for r in inc["diagnosis"]["replays"].values())
+    repro = Path(pre["reproducer"])
+    text = repro.read_text()
+    assert "import watcher" not in text and "from watcher" not in text
+    # A copy elsewhere, run in isolated mode (no PYTHONPATH, no cwd on sys.path): it needs only torch.
+    shutil.copytree(repro.parent, tmp_path / "repro")
+    p = subprocess.run([sys.executable, "-I", str(tmp_path / "repro" / "repro.py")], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "reproduced" in p.stdout and "aten::div.Tensor" in p.stdout
+
+
+@needs_bpf
+def test_lr_spike_is_params_and_the_prescribed_lr_works_when_applied(drills):
+    out, rows, _ = drills
+    inc = incident(out / "lr_spike")
+    root = inc["causal_chain"][0]
+    assert root["kind"] == "hyperparameter" and root["step"] == 12
+    assert "rose from 0.003 to 3 at step 12" in root["evidence"]
+    assert inc["prescription"]["params"] == [{"param_group": 0, "name": "lr", "to": pytest.approx(0.003)}]
+    applied = incident(out / "adjust_lr")
+    assert applied["prescription"]["applied"] is True and applied["recovered"] is True
+    assert applied["steps_lost"] == 0
+    row = rows["adjust_lr"]
+    assert row["exit_code"] == 0 and row["steps"] == 22 and math.isfinite(row["final_loss"])
+    # The spike was the only fault, so the run with the prescribed lr is the fault-free run, bit for bit.
+    assert row["bit_identical"] is True
+
+
+@needs_bpf
+def test_bad_cores_is_hardware_and_names_the_device(drills):
+    out, rows, _ = drills
+    inc = incident(out / "bad_cores")
+    dev = inc["prescription"]["device"]
+    assert (dev["rank"], dev["kind"], dev["cpus"]) == (1, "cpu", [0])
+    assert inc["prescription"]["move_to"] == {"cpus": [1]}
+    replays = inc["diagnosis"]["replays"]
+    assert replays["other_cores"]["clean"] and not replays["trace"]["clean"] and not replays["swap_batch"]["clean"]
+    assert inc["causal_chain"][1]["module"] == "head"  # the Linear the faulty cores corrupt
+
+
+@needs_bpf
+def test_skip_batch_applied_finishes_training_and_records_the_ids(drills):
+    out, rows, _ = drills
+    row = rows["skip_batch"]
+    assert row["exit_code"] == 0 and row["steps"] == 22 and math.isfinite(row["final_loss"])
+    inc = incident(out / "skip_batch")
+    assert inc["prescription"]["applied"] is True and inc["prescription"]["applied_at_step"] == 14
+    assert inc["prescription"]["batches"][0]["samples"] == [5]
+    assert (inc["recovered"], inc["resumed_at_step"], inc["steps_lost"]) == (True, 14, 0)
+    rec = out / "skip_batch" / "recording.duckdb"
+    assert query(rec, "SELECT prescription, prescription_applied FROM incident") == [("skip_batch", True)]
+    # Every step is in the record once, and all are finite: the replayed
+    # fingerprints (without the bad samples) replaced the NaN ones.
+    losses = query(rec, "SELECT step, loss FROM step WHERE rank = 1 ORDER BY step")
+    assert [s for s, _ in losses] == list(range(22))
+    assert all(math.isfinite(v) for _, v in losses)
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@needs_bpf
+@pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (scripts/setup installs it)")
+def test_html_report_renders_in_headless_chromium(drills, tmp_path):
+    out, _, _ = drills
+    page = tmp_path / "report.html"
+    p = watcher("report", str(out / "bad_batch"), "--html", str(page), check=True)
+    assert "data (confidence 0.95)" in p.stdout and "skip_batch rank 1 step 12" in p.stdout
+    base = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    shot = tmp_path / "report.png"
+    subprocess.run(base + [f"--screenshot={shot}", "--window-size=800,1600", page.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000  # a rendered page, not a blank one
+    dom = subprocess.run(base + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert '<ol class="chain">' in dom and "sample 5 has 64 non-finite values" in dom
+    assert dom.count("<polyline") >= 4  # loss and grad norm, two ranks each
+    assert 'class="incident"' in dom  # the incident marked on the curves
+
+
+@needs_bpf
+def test_perfetto_export_is_valid_chrome_trace_json(drills, tmp_path):
+    out, _, _ = drills
+    trace = tmp_path / "t.json"
+    watcher("export", str(out / "bad_batch"), "--perfetto", str(trace), check=True)
+    events = json.loads(trace.read_text())["traceEvents"]
+    for e in events:
+        assert {"name", "ph", "pid", "tid", "ts"} <= set(e), e
+        assert isinstance(e["ts"], (int, float)) and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+        elif e["ph"] in ("b", "e"):
+            assert "id" in e and "cat" in e
+        else:
+            assert e["ph"] == "M" and isinstance(e["args"], dict)
+            if e["name"] in ("process_name", "thread_name"):
+                assert isinstance(e["args"]["name"], str)
+    # Complete slices nest per thread (to 1 ns: ts and dur are float microseconds).
+    by_thread = {}
+    for e in events:
+        if e["ph"] == "X":
+            by_thread.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_thread.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        open_ends = []
+        for start, end in spans:
+            while open_ends and open_ends[-1] <= start + 1e-3:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1] + 1e-3, (start, end, open_ends[-1])
+            open_ends.append(end)
+    # Async begin/end pair up.
+    begins = {(e["cat"], e["id"]) for e in events if e["ph"] == "b"}
+    assert begins == {(e["cat"], e["id"]) for e in events if e["ph"] == "e"}
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {"rank 0", "rank 1"} <= {n.split(" (")[0] for n in names}
+    steps = {e["name"] for e in events if e.get("cat") == "step"}
+    assert {f"step {k}" for k in range(2, 14)} <= steps
+    assert any(e["name"].startswith("allreduce #") for e in events if e.get("cat") == "collective")
+    assert any(e.get("cat") == "syscall" for e in events)

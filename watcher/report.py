@@ -1,0 +1,197 @@
+"""`watcher report`: the incidents of a recording, for a terminal or as one HTML page.
+
+The HTML page is self-contained (inline SVG, no script, nothing fetched), so
+it can be attached to a ticket or opened from an air-gapped cluster: loss and
+grad-norm curves per rank with each incident marked, a per-rank timeline of
+the replayed window (steps and collectives), the causal chain and the
+prescription.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+
+from .store import Recordings
+
+RANK_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+
+def load(recs: Recordings) -> dict:
+    _, inc_rows = recs.query("SELECT json FROM incident ORDER BY incident_id")
+    _, step_rows = recs.query("SELECT rank, step, ts, dur, loss, grad_norm FROM step ORDER BY rank, step")
+    _, coll_rows = recs.query("SELECT rank, group_name, seq, op, step, ts, dur FROM collective_io ORDER BY rank, ts")
+    return {"incidents": [json.loads(r[0]) for r in inc_rows],
+            "steps": [dict(zip(("rank", "step", "ts", "dur", "loss", "grad_norm"), r)) for r in step_rows],
+            "colls": [dict(zip(("rank", "group", "seq", "op", "step", "ts", "dur"), r)) for r in coll_rows]}
+
+
+def incident_lines(inc: dict) -> list[str]:
+    rep = inc.get("replay") or {}
+    lines = [f"{inc['incident_id']}: {inc['kind']} at step {inc.get('detected_step')} on rank {inc.get('detected_rank')}"
+             f" -> {inc.get('classification') or 'unclassified'}"
+             + (f" ({inc['transient_cause']})" if inc.get("transient_cause") else "")
+             + (f", replay reproduced: {rep.get('reproduced')}" if rep else "")]
+    att = inc.get("attribution")
+    if att:
+        lines.append(f"  attribution: {att['cause']} (confidence {att.get('confidence')})")
+    for i, link in enumerate(inc.get("causal_chain") or []):
+        lines.append(f"  {'root' if i == 0 else '  ->'} [{link['kind']}] {link.get('evidence')}")
+    pre = inc.get("prescription")
+    if pre:
+        lines.append(f"  prescription: {describe_prescription(pre)}")
+    if inc.get("recovered"):
+        lines.append(f"  recovered: resumed at step {inc.get('resumed_at_step')}, {inc.get('steps_lost')} steps lost")
+    return lines
+
+
+def describe_prescription(p: dict) -> str:
+    a = p.get("action")
+    if a == "skip_batch":
+        what = "; ".join(f"rank {b['rank']} step {b['step']} batch {b.get('batch_index')} samples {b['samples']}"
+                         for b in p.get("batches") or [])
+        text = f"skip_batch {what}"
+    elif a == "adjust_params":
+        text = "adjust_params " + ", ".join(f"{c['name']}{'[' + str(c['param_group']) + ']' if 'param_group' in c else ''}"
+                                            f" -> {c['to']:.4g}" for c in p.get("params") or [])
+    elif a == "quarantine_device":
+        d = p.get("device") or {}
+        text = f"quarantine_device {d.get('kind')} {d.get('cpus')} on {d.get('host')} (rank {d.get('rank')}), " \
+               f"move to {p.get('move_to')}"
+    elif a == "fix_kernel":
+        text = f"fix_kernel {p.get('op')} in {p.get('module')}; reproducer {p.get('reproducer')}"
+    else:
+        text = f"{a}" + (f" ({p['reason']})" if p.get("reason") else "")
+    if p.get("applied"):
+        text += f" [applied at step {p.get('applied_at_step')}]"
+    return text
+
+
+def text_report(data: dict) -> str:
+    ranks = sorted({s["rank"] for s in data["steps"]})
+    steps = max((s["step"] for s in data["steps"]), default=None)
+    out = [f"{len(ranks)} rank(s), {0 if steps is None else steps} steps, {len(data['incidents'])} incident(s)"]
+    for inc in data["incidents"]:
+        out += [""] + incident_lines(inc)
+    return "\n".join(out) + "\n"
+
+
+# -- HTML ----------------------------------------------------------------------------------------
+
+def _finite(v) -> bool:
+    return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def curve_svg(data: dict, field: str, title: str, width: int = 640, height: int = 220) -> str:
+    pts = [s for s in data["steps"] if _finite(s[field])]
+    if not pts:
+        return f"<p>No {field} recorded.</p>"
+    log = field == "grad_norm" or max(p[field] for p in pts) > 100 * max(min(p[field] for p in pts), 1e-12)
+    val = (lambda v: math.log10(max(v, 1e-12))) if log else (lambda v: v)
+    xs = [s["step"] for s in data["steps"]]  # non-finite steps too: they are marked, not plotted
+    ys = [val(p[field]) for p in pts]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+    pad = 40
+    sx = lambda x: pad + (x - x0) / (x1 - x0) * (width - 2 * pad)
+    sy = lambda y: height - pad + (y0 - y) / (y1 - y0) * (height - 2 * pad)
+    parts = [f'<svg class="plot" data-field="{field}" width="{width}" height="{height}" '
+             f'xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{html.escape(title)}">',
+             f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fff"/>',
+             f'<text x="{pad}" y="16" font-size="13">{html.escape(title)}{" (log10)" if log else ""}</text>',
+             f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#888"/>',
+             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#888"/>',
+             f'<text x="{pad}" y="{height - pad + 16}" font-size="11">step {x0}</text>',
+             f'<text x="{width - pad - 50}" y="{height - pad + 16}" font-size="11">step {x1}</text>']
+    for inc in data["incidents"]:
+        k = inc.get("detected_step")
+        if k is not None and x0 <= k <= x1:
+            parts.append(f'<line class="incident" x1="{sx(k):.1f}" y1="{pad}" x2="{sx(k):.1f}" y2="{height - pad}" '
+                         f'stroke="#e00" stroke-dasharray="4 3"/>'
+                         f'<text x="{sx(k) + 3:.1f}" y="{pad + 10}" font-size="11" fill="#e00">'
+                         f'{html.escape(inc["incident_id"])} {html.escape(inc["kind"])}</text>')
+    for s in data["steps"]:
+        if s[field] is not None and not _finite(s[field]):
+            parts.append(f'<text class="non-finite" x="{sx(s["step"]) - 3:.1f}" y="{pad - 2}" font-size="11" '
+                         f'fill="#e00"><title>rank {s["rank"]} step {s["step"]}: {s[field]}</title>x</text>')
+    for i, r in enumerate(sorted({p["rank"] for p in pts})):
+        line = " ".join(f"{sx(p['step']):.1f},{sy(val(p[field])):.1f}" for p in pts if p["rank"] == r)
+        colour = RANK_COLOURS[i % len(RANK_COLOURS)]
+        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{line}"/>'
+                     f'<text x="{width - pad + 4}" y="{pad + 14 * i}" font-size="11" fill="{colour}">rank {r}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def timeline_svg(data: dict, inc: dict, width: int = 640) -> str:
+    """Steps and collectives of the incident's window, one row per rank."""
+    w = inc.get("window") or {}
+    lo, hi = w.get("from_step"), w.get("to_step")
+    if lo is None or hi is None:
+        return "<p>No replay window.</p>"
+    steps = [s for s in data["steps"] if lo < s["step"] <= hi and s["dur"]]
+    colls = [c for c in data["colls"] if lo < c["step"] <= hi]
+    if not steps:
+        return "<p>No steps recorded in the window.</p>"
+    t0 = min(s["ts"] - s["dur"] for s in steps)
+    t1 = max(s["ts"] for s in steps)
+    ranks = sorted({s["rank"] for s in steps})
+    row, pad = 28, 60
+    height = row * len(ranks) + 30
+    sx = lambda t: pad + (t - t0) / max(t1 - t0, 1) * (width - pad - 10)
+    parts = [f'<svg class="timeline" width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">']
+    for i, r in enumerate(ranks):
+        y = 10 + i * row
+        parts.append(f'<text x="4" y="{y + 14}" font-size="11">rank {r}</text>')
+        for s in (s for s in steps if s["rank"] == r):
+            x, x2 = sx(s["ts"] - s["dur"]), sx(s["ts"])
+            bad = s["step"] == inc.get("detected_step")
+            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{max(x2 - x - 1, 1):.1f}" height="18" '
+                         f'fill="{"#f4b6b6" if bad else "#cfe0f3"}"><title>step {s["step"]}</title></rect>'
+                         f'<text x="{x + 2:.1f}" y="{y + 13}" font-size="9">{s["step"]}</text>')
+        for c in (c for c in colls if c["rank"] == r and c["ts"] is not None):
+            x = sx(c["ts"])
+            parts.append(f'<rect x="{x:.1f}" y="{y + 19}" width="{max(sx(c["ts"] + (c["dur"] or 0)) - x, 1):.1f}" '
+                         f'height="5" fill="#555"><title>{html.escape(c["op"])} #{c["seq"]}</title></rect>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def html_report(data: dict, title: str) -> str:
+    e = html.escape
+    body = [f"<h1>Watcher report: {e(title)}</h1>", f"<p>{e(text_report(data).splitlines()[0])}</p>",
+            curve_svg(data, "loss", "Loss per rank"), curve_svg(data, "grad_norm", "Gradient norm per rank")]
+    for inc in data["incidents"]:
+        att = inc.get("attribution") or {}
+        body.append(f'<section class="incident" id="{e(inc["incident_id"])}"><h2>{e(incident_lines(inc)[0])}</h2>')
+        if att:
+            body.append(f"<p><b>Attribution:</b> {e(att['cause'])} (confidence {att.get('confidence')})</p>")
+        chain = inc.get("causal_chain") or []
+        if chain:
+            body.append('<h3>Causal chain</h3><ol class="chain">' + "".join(
+                f"<li><b>{e(link['kind'])}</b>"
+                + (f" step {link['step']}" if link.get("step") is not None else "")
+                + (f" rank {link['rank']}" if link.get("rank") is not None else "")
+                + (f" <code>{e(link['module'])}</code>" if link.get("module") else "")
+                + (f" <code>{e(link['op'])}</code>" if link.get("op") else "")
+                + f": {e(str(link.get('evidence')))}</li>" for link in chain) + "</ol>")
+        if inc.get("prescription"):
+            body.append(f"<p><b>Prescription:</b> {e(describe_prescription(inc['prescription']))}</p>")
+        body.append("<h3>Replayed window</h3>" + timeline_svg(data, inc))
+        body.append(f"<details><summary>Incident document</summary><pre>{e(json.dumps(inc, indent=1))}</pre>"
+                    "</details></section>")
+    style = ("body{font-family:sans-serif;max-width:720px;margin:2em auto;color:#222}"
+             "svg{display:block;margin:1em 0;border:1px solid #ddd}code{background:#f4f4f4}"
+             "section{border-top:2px solid #ccc;margin-top:2em}")
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>Watcher report: {e(title)}</title>"
+            f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def report(paths: list[str], html_out: Path | None) -> str:
+    with Recordings(paths) as recs:
+        data = load(recs)
+    if html_out is not None:
+        html_out.write_text(html_report(data, ", ".join(map(str, paths))))
+    return text_report(data)
