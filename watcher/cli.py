@@ -204,8 +204,9 @@ def run(
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Run directory (created; must not exist)."),
     policy: str = typer.Option("recover", help="After an incident's verdict: observe (go on untouched); "
                                "recover (a transient: merge the replayed state or rebuild the failed link "
-                               "and go on; a persistent fault: stop cleanly, exit 75); apply (stop cleanly "
-                               "after every verdict, until diagnosis is built)."),
+                               "and go on; a persistent fault: diagnose it, then stop cleanly, exit 75); apply (as "
+                               "recover, and apply a prescription a counterfactual replay proved: skip the bad "
+                               "samples, adjust lr/clipping, move off bad CPUs; then go on)."),
     snapshot_budget: float = typer.Option(1.0, help="Snapshot cost budget, percent of step time; sets the snapshot interval."),
     snapshot_interval: Optional[int] = typer.Option(None, help="Fixed snapshot interval in steps (overrides the budget)."),
     detect: list[str] = typer.Option([], help="Detector setting KEY=VALUE (repeatable), e.g. loss_spike_z=10, hang_seconds=60."),
