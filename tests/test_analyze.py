@@ -21,10 +21,12 @@ def _kill_tree(rec):
             pass
 
 
-def test_hang_names_the_rank_the_collective_and_where_it_is(tmp_path):
+def test_hang_names_the_rank_the_collective_and_where_it_is(tmp_path, monkeypatch):
     out = tmp_path / "hang.duckdb"
-    # rank 1 sleeps instead of its 4th all_reduce; the recording ends while it does
-    proc = record(out, sys.executable, *JOB, "hang", extra=("--duration", "7"), timeout=600)
+    # rank 1 sleeps instead of its 4th all_reduce; the recording ends while it does (with room for
+    # a slow start on a loaded machine: the sleep outlasts the recording by far)
+    monkeypatch.setenv("HANG_S", "40")
+    proc = record(out, sys.executable, *JOB, "hang", extra=("--duration", "15"), timeout=600)
     try:
         assert proc.returncode == 0, proc.stderr
         res = watcher("analyze", "hang", str(out), "--format", "json", check=True)
