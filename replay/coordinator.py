@@ -107,9 +107,16 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
         recovered = diagnose_and_apply(rt, info, plan, inc_dir, t_halt)
     if verdict:
         if verdict["classification"] == "persistent":
-            # Keep the frozen snapshot out of rotation for diagnosis.
-            snap = rt.snapshot_at(plan["from_step"]) if plan.get("from_step") is not None else None
+            # Keep the frozen snapshot out of rotation for diagnosis: the one
+            # the diagnosis replayed from, if one ran, so that `watcher
+            # diagnose` repeats it from the same state.
+            start = plan.get("from_step")
+            round0 = inc_dir / "diagnosis" / "round0.json"
+            if round0.exists():
+                start = read_json(round0).get("from_step", start)
+            snap = rt.snapshot_at(start) if start is not None else None
             if snap in rt.snapshots:
+                snap.incident_id = info["incident_id"]
                 rt.snapshots.remove(snap)
                 # One retained snapshot at a time: each is a copy-on-write image of the rank.
                 for old in getattr(rt, "retained", []):

@@ -14,6 +14,8 @@ again, each time with one thing changed (variants.py):
            lr_low       rose in the window), else a tenth of it
            clip         gradients clipped at the pre-failure norm
            other_cores  pinned ranks moved to the CPUs they were not using
+           float64      the float64 reference: model, optimizer state and batches
+                        in double precision
 
 Which replays come back clean decides the attribution (data, hardware,
 params, software), with the evidence and a causal chain from root cause to
@@ -39,6 +41,10 @@ from ..runtime.control import read_json, write_json
 
 WAIT_S = float(os.environ.get("WATCHER_INCIDENT_WAIT", "600"))
 PARAM_VARIANTS = ("lr_hold", "lr_low", "clip")
+# How each counterfactual reads in evidence ("it fails as well ...").
+AS_CHANGED = {"swap_batch": "with another batch", "drop_rows": "without the anomalous samples",
+              "lr_hold": "with the learning rate held", "lr_low": "with a lower learning rate",
+              "clip": "with clipped gradients", "other_cores": "on other CPUs", "float64": "in float64"}
 
 
 def diagnose(rt, info: dict, plan: dict, inc_dir: Path) -> dict | None:
@@ -158,6 +164,7 @@ def plan_counterfactuals(rt, info: dict, plan: dict, trace: list[dict]) -> list[
     cpus = _other_cores(rt)
     if cpus:
         out.append({"name": "other_cores", "cpus": cpus})
+    out.append({"name": "float64", "float64": True})
     return out
 
 
@@ -194,6 +201,22 @@ def judge(rt, info: dict, plan: dict, results: dict, variants: dict, inc_dir: Pa
     written into the incident.  Returns {"apply": variant name or None}."""
     inc_path = rt.run_dir / "incidents" / f"{info['incident_id']}.json"
     verdict = read_json(inc_path)
+    found = conclude(rt, info, plan, results, variants, inc_dir / "reproducer")
+    apply, cause = found.pop("apply"), found["attribution"]["cause"]
+    verdict.update(found)
+    apply = apply if rt.policy == "apply" else None
+    if apply:
+        verdict["recovery"] = {"possible": True, "reason": None, "from_variant": apply}
+    write_json(inc_path, verdict)
+    _say(rt, f"{info['incident_id']}: {cause} (confidence {found['attribution']['confidence']}); prescription "
+             f"{found['prescription']['action']}" + (f", applying it ({apply})" if apply else ""))
+    return {"apply": apply, "cause": cause}
+
+
+def conclude(rt, info: dict, plan: dict, results: dict, variants: dict, repro_dir: Path) -> dict:
+    """The incident's attribution, causal_chain, prescription and diagnosis
+    fields, plus "apply" (the variant whose state would cure the failure);
+    writes the reproducer into `repro_dir` for a software or hardware cause."""
     outcomes = {}
     for name, res in results.items():
         clean, why = _clean(rt, plan, res)
@@ -210,26 +233,18 @@ def judge(rt, info: dict, plan: dict, results: dict, variants: dict, inc_dir: Pa
         symptoms = [link for link in symptoms if link["kind"] != "op"]
     chain = ([root] if root else []) + symptoms
     if cause in ("software", "hardware") and origin and trace[origin["rank"]].get("trace", {}).get("culprit_inputs"):
-        path = write_reproducer(inc_dir / "reproducer", info, origin, trace[origin["rank"]]["trace"]["culprit_inputs"],
-                                cause)
+        path = write_reproducer(repro_dir, info, origin, trace[origin["rank"]]["trace"]["culprit_inputs"], cause)
         prescription["reproducer"] = str(path)
-    verdict["attribution"] = {"cause": cause, "confidence": confidence,
-                              "evidence": [f"{n}: {'clean' if o['clean'] else 'fails'}"
-                                           + (f" ({o['reason']})" if o["reason"] and not o["clean"] else "")
-                                           for n, o in outcomes.items()]}
-    verdict["causal_chain"] = chain
-    verdict["prescription"] = prescription
-    verdict["diagnosis"] = {"from_step": plan["from_step"], "to_step": plan["to_step"], "replays": outcomes,
-                            "first_nonfinite": origin if origin and origin.get("nonfinite") else None,
-                            "departure": origin if origin and not origin.get("nonfinite") else None,
-                            "batch_anomalies": {r: a for r, a in anomalies.items() if a}}
-    apply = apply if rt.policy == "apply" else None
-    if apply:
-        verdict["recovery"] = {"possible": True, "reason": None, "from_variant": apply}
-    write_json(inc_path, verdict)
-    _say(rt, f"{info['incident_id']}: {cause} (confidence {confidence}); prescription {prescription['action']}"
-         + (f", applying it ({apply})" if apply else ""))
-    return {"apply": apply, "cause": cause}
+    return {"attribution": {"cause": cause, "confidence": confidence,
+                            "evidence": [f"{n}: {'clean' if o['clean'] else 'fails'}"
+                                         + (f" ({o['reason']})" if o["reason"] and not o["clean"] else "")
+                                         for n, o in outcomes.items()]},
+            "causal_chain": chain, "prescription": prescription,
+            "diagnosis": {"from_step": plan["from_step"], "to_step": plan["to_step"], "replays": outcomes,
+                          "first_nonfinite": origin if origin and origin.get("nonfinite") else None,
+                          "departure": origin if origin and not origin.get("nonfinite") else None,
+                          "batch_anomalies": {r: a for r, a in anomalies.items() if a}},
+            "apply": apply}
 
 
 def _origin(trace: list[dict]) -> dict | None:
@@ -292,20 +307,26 @@ def _attribute(rt, info, plan, outcomes, trace, origin, anomalies, variants):
                     "evidence": f"gradients clipped at the pre-failure norm {v['clip']:.4g} make the window clean"}
         return ("params", 0.85, root, {"action": "adjust_params", "params": change, "verified_by": used,
                                        "applied": False}, used)
-    if origin and not ok:
+    if origin and ok <= {"float64"}:
         finite = origin.get("inputs_finite", True)
+        failing = [AS_CHANGED[n] for n in outcomes if n != "trace" and n not in ok and n in AS_CHANGED]
+        what = (f"{origin['op']} in {origin['module']} produced {origin['nonfinite']} non-finite values "
+                f"from {'finite' if finite else 'non-finite'} inputs" if origin.get("nonfinite") else
+                f"{origin['op']} in {origin['module']} output norm {origin['norm']:.4g}, "
+                f"{origin['ratio']:.3g}x {origin.get('compared_with')}")
+        prescription = {"action": "fix_kernel", "op": origin["op"], "module": origin["module"],
+                        "step": origin["step"], "rank": origin["rank"], "applied": False}
+        if ok:  # clean in double precision only: the op's float32 numerics (overflow, cancellation)
+            prescription["precision"] = "float32 fails, float64 is clean: compute this op in higher precision or rescale"
+            root = {"kind": "op", "step": origin["step"], "rank": origin["rank"], "module": origin["module"],
+                    "op": origin["op"], "collective": None,
+                    "evidence": f"{what}; the same window replayed in float64 is clean (a float32 precision failure)"
+                                + (f"; it fails {', '.join(failing)}" if failing else "")}
+            return "software", 0.7, root, prescription, None
         root = {"kind": "op", "step": origin["step"], "rank": origin["rank"], "module": origin["module"],
                 "op": origin["op"], "collective": None,
-                "evidence": (f"{origin['op']} in {origin['module']} produced {origin['nonfinite']} non-finite values "
-                             f"from {'finite' if finite else 'non-finite'} inputs"
-                             if origin.get("nonfinite") else
-                             f"{origin['op']} in {origin['module']} output norm {origin['norm']:.4g}, "
-                             f"{origin['ratio']:.3g}x {origin.get('compared_with')}")
-                            + "; it fails as well with another batch, a lower learning rate, clipped gradients"
-                            + (" and on other CPUs" if "other_cores" in outcomes else "")}
-        return ("software", 0.8 if finite else 0.6, root,
-                {"action": "fix_kernel", "op": origin["op"], "module": origin["module"], "step": origin["step"],
-                 "rank": origin["rank"], "applied": False}, None)
+                "evidence": what + (f"; it fails as well {', '.join(failing)}" if failing else "")}
+        return "software", 0.8 if finite else 0.6, root, prescription, None
     return ("unknown", 0.0, None, {"action": "none", "reason": "no counterfactual isolated the cause"}, None)
 
 

@@ -92,6 +92,7 @@ class ForkSnapshot:
         self.fork_ns = fork_ns
         self.run_dir, self.rank = run_dir, rank
         self.released = False
+        self.incident_id = None  # set when a persistent incident keeps it for diagnosis
 
     @classmethod
     def take(cls, rt, k: int):
@@ -154,6 +155,28 @@ class ForkSnapshot:
             reply["timed_out"] = True
         return reply
 
+    def retain(self, until: float, window_dir: Path, orders: Path) -> bool:
+        """Keep the snapshot after this rank exits, until wall time `until`,
+        serving replay orders written as files into `orders` (`watcher
+        diagnose`) from the window copied to `window_dir`.  It exits at
+        `until`, on an exit order (`watcher release`), or when killed."""
+        order = {"op": "retain", "until": until, "window_dir": str(window_dir), "orders": str(orders)}
+        try:
+            os.write(self.cmd_w, (json.dumps(order) + "\n").encode())
+            ok = _read_reply(self.resp_r, 10.0).get("status") == "retained"
+        except OSError:
+            ok = False
+        if not ok:
+            self.release()
+            return False
+        self.released = True
+        for fd in (self.cmd_w, self.resp_r):  # the snapshot sees EOF and becomes an orphan
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        return True
+
     def release(self) -> None:
         """Let the snapshot go; it is reaped in the background."""
         if self.released:
@@ -207,7 +230,13 @@ def _read_reply(fd: int, timeout: float) -> dict:
 # -- inside the snapshot process ---------------------------------------------------------------
 
 def _serve(rt, k: int, cmd_r: int, resp_w: int):
-    """The frozen snapshot: wait for orders; return only inside a replay child."""
+    """The frozen snapshot: wait for orders; return only inside a replay child.
+
+    Orders come over the pipe from the rank.  Once the rank is gone (EOF) the
+    snapshot is an orphan: it drops every copy of the rank's descriptors at
+    once, so its peers see it close, and takes orders from files instead: a
+    crash replay from `watcher run` within a short wait, or, if the rank asked
+    to retain it, `watcher diagnose` orders until the retention deadline."""
     rt.disabled = True  # no hook runs here
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         try:
@@ -218,24 +247,35 @@ def _serve(rt, k: int, cmd_r: int, resp_w: int):
 
     f = os.fdopen(cmd_r, "rb", buffering=0)
     pending = b""
+    retained = None
+    orphan = None
     while True:
-        chunk = f.read(4096)
-        if not chunk:
-            # The rank is gone (crash or end of job).  Drop every copy of the
-            # rank's descriptors at once so its peers see it close, then wait
-            # a little for a crash-replay order from `watcher run`.
-            order = _orphan_wait(rt, k)
-            if order is None:
-                os._exit(0)
-            resp_w = os.open(os.devnull, os.O_WRONLY)
-        else:
+        if orphan is None:
+            chunk = f.read(4096)
+            if not chunk:
+                orphan = _Orphan(rt, k, retained)
+                resp_w = os.open(os.devnull, os.O_WRONLY)
+                continue
             pending += chunk
             if b"\n" not in pending:
                 continue
             line, pending = pending.split(b"\n", 1)
             order = json.loads(line)
+        else:
+            order = orphan.next_order()
+            if order is None:
+                orphan.leave()
+                os._exit(0)
         if order.get("op") == "exit":
+            if orphan:
+                orphan.leave()
             os._exit(0)
+        if order.get("op") == "retain":
+            retained = order
+            _reply(resp_w, {"status": "retained"})
+            continue
+        if retained and not order.get("window_dir"):
+            order["window_dir"] = retained["window_dir"]
         listener_r, listener_w = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -253,12 +293,12 @@ def _serve(rt, k: int, cmd_r: int, resp_w: int):
 
             end_for(order["exchange"], rt.rank, f"exit {code}")
         _reply(resp_w, {"status": status, "exit_code": code})
-        if order.get("reply"):  # a crash replay: nobody reads the pipe any more
-            with open(order["reply"] + ".tmp", "w") as f:
-                json.dump({"pid": pid, "status": status, "exit_code": code}, f)
+        if order.get("reply"):  # an orphan's order: nobody reads the pipe any more
+            with open(order["reply"] + ".tmp", "w") as out:
+                json.dump({"pid": pid, "status": status, "exit_code": code}, out)
             os.replace(order["reply"] + ".tmp", order["reply"])
-        if not chunk:
-            os._exit(0)
+        if orphan and not retained:
+            os._exit(0)  # the crash replay was the one thing to wait for
 
 
 def _drop_shared_endpoints(keep: set) -> None:
@@ -312,27 +352,51 @@ def _supervise(sandbox, pid: int, listener_r: int, order: dict):
         os.close(listener)
 
 
-def _orphan_wait(rt, k: int):
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    for fd in map(int, os.listdir("/proc/self/fd")):
-        if fd > 2:
+class _Orphan:
+    """A snapshot whose rank is gone, taking orders from files."""
+
+    def __init__(self, rt, k: int, retained: dict | None):
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd > 2:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.rt, self.k, self.retained = rt, k, retained
+        self.crash_order = rt.dir / f"crash_replay.rank{rt.rank}.step{k}.json"
+        # Without retention only a crash replay can come, and soon.
+        wait = retained["until"] - time.time() if retained else ORPHAN_WAIT_S
+        self.deadline = time.monotonic() + wait
+
+    def next_order(self) -> dict | None:
+        """The next order, or None once the deadline has passed."""
+        orders = Path(self.retained["orders"]) if self.retained else None
+        while time.monotonic() < self.deadline:
+            for path in ([self.crash_order] + (sorted(orders.glob("*.json")) if orders else [])):
+                try:
+                    with open(path) as f:
+                        order = json.load(f)
+                    os.unlink(path)  # taken: served once
+                    return order
+                except (OSError, ValueError):
+                    continue
+            time.sleep(0.05)
+        return None
+
+    def leave(self) -> None:
+        """The window copy served only this snapshot: remove it on the way out."""
+        if not self.retained:
+            return
+        from ..runtime.window import segment_paths
+
+        for p in segment_paths(Path(self.retained["window_dir"]), self.rt.rank, self.k):
             try:
-                os.close(fd)
+                os.unlink(p)
             except OSError:
                 pass
-    order_path = rt.dir / f"crash_replay.rank{rt.rank}.step{k}.json"
-    deadline = time.monotonic() + ORPHAN_WAIT_S
-    while time.monotonic() < deadline:
-        if order_path.exists():
-            try:
-                with open(order_path) as f:
-                    return json.load(f)
-            except (OSError, ValueError):
-                pass
-        time.sleep(0.1)
-    return None
 
 
 # -- inside the replay child ------------------------------------------------------------------------
@@ -345,7 +409,7 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
     t_fork = time.monotonic_ns()
     libc = ctypes.CDLL(None)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    window = Window.load(segment_paths(rt.window_dir, rt.rank, rt.step))
+    window = Window.load(segment_paths(Path(order.get("window_dir") or rt.window_dir), rt.rank, rt.step))
     t_window = time.monotonic_ns()
     result = open(order["result"], "wb")
     log_fd = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

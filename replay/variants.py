@@ -10,6 +10,8 @@ example `{"name": "lr_hold", "lr_factor": 1.0}`.  Its keys:
   lr_factor   f: every param group's learning rate capped at f x its value at the snapshot
   clip        x: gradients clipped to total norm x before every optimizer step
   cpus        {r: [cpu, ...]}: rank r replays pinned to those CPUs (another core set)
+  float64     true: the float64 reference: parameters, optimizer state and the batches' float
+              fields in double precision (DDP still reduces gradients in its float32 buckets)
 
 Everything else in the replay is as recorded, so a failure that disappears
 under a variant is explained by what the variant changed.
@@ -33,6 +35,10 @@ def setup(rt, state, variant: dict) -> None:
     if opt is None:
         return
     hooks = []
+    if variant.get("float64"):
+        to_float64(rt, opt)
+        if rt.replicated and rt.world > 1:
+            hooks.append(_average_gradients(opt))
     if variant.get("lr_factor") is not None:
         cap = [g["lr"] * float(variant["lr_factor"]) for g in opt.param_groups]
 
@@ -79,6 +85,8 @@ def batch(rt, state, variant: dict, idx: int, b):
         if other in window and not isinstance(window[other], str):
             state.extra["swapped"] = {"step": step, "batch_index": idx, "with_batch_index": other}
             b = _map(window[other], lambda t: t.clone())
+    if variant.get("float64"):
+        b = _map(b, lambda t: t.double() if t.is_floating_point() else t)
     drop = variant.get("drop_rows")
     rows = (drop or {}).get("rows", {}).get(str(rt.rank)) if drop and step == drop["step"] else None
     if rows:
@@ -87,6 +95,38 @@ def batch(rt, state, variant: dict, idx: int, b):
         b = _map(b, lambda t: t.index_select(0, keep) if t.dim() and t.shape[0] == n else t)
         state.extra["dropped"] = {"step": step, "batch_index": idx, "rows": rows}
     return b
+
+
+def to_float64(rt, opt) -> None:
+    """The model and its optimizer in double precision, in place: the
+    Parameter objects stay the ones the optimizer and DDP hold."""
+    for m in (rt.modules or {}).values():
+        m.double()
+    for st in opt.state.values():
+        for key, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim():
+                st[key] = v.double()
+
+
+def _average_gradients(opt):
+    """DDP's gradient hooks stay with the float32 parameters the cast
+    replaced, so replicas would train on their own gradients: average them
+    here, in one collective.  Gradients that are already averaged (DDP did
+    it, or the program's own all_reduce) come out the same."""
+    import torch.distributed as dist
+
+    def average(o, args, kwargs):
+        if o is not opt:
+            return
+        grads = [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([t.reshape(-1) for t in grads])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for t, part in zip(grads, flat.split([t.numel() for t in grads])):
+            t.copy_(part.view_as(t))
+    return average
 
 
 def _map(b, fn):

@@ -12,26 +12,34 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from .conftest import ROOT, needs_bpf, query, watcher
 
-PERSISTENT = ("bad_batch", "bad_op", "lr_spike", "bad_cores", "skip_batch", "adjust_lr")
+PERSISTENT = ("bad_batch", "bad_op", "fp32_overflow", "lr_spike", "bad_cores", "skip_batch", "adjust_lr")
 
 
 @pytest.fixture(scope="module")
 def drills(tmp_path_factory):
     d = tmp_path_factory.mktemp("drills")
     card = d / "card.json"
+    # Snapshots are retained long enough for `watcher diagnose` after the
+    # whole drill; the release test (or the teardown) ends them.
     p = watcher("drill", "--steps", "22", "--scenario", ",".join(PERSISTENT), "--out", str(d / "d"),
-                "--json", str(card), timeout=1500)
+                "--json", str(card), "--retain", "900", timeout=1500)
     rows = {r["scenario"]: r for r in json.loads(card.read_text())["scenarios"]}
-    return d / "d", rows, p
+    yield d / "d", rows, p
+    for name in PERSISTENT:
+        if (d / "d" / name).is_dir():
+            watcher("release", str(d / "d" / name))
 
 
 def incident(run: Path) -> dict:
@@ -46,7 +54,8 @@ def test_every_persistent_drill_is_attributed_to_its_injected_cause(drills):
     assert not failed, f"{failed}\n{p.stdout}\n{p.stderr[-3000:]}"
     assert p.returncode == 0
     assert {n: rows[n]["attribution"] for n in PERSISTENT} == {
-        "bad_batch": "data (skip_batch)", "bad_op": "software (fix_kernel)", "lr_spike": "params (adjust_params)",
+        "bad_batch": "data (skip_batch)", "bad_op": "software (fix_kernel)", "fp32_overflow": "software (fix_kernel)",
+        "lr_spike": "params (adjust_params)",
         "bad_cores": "hardware (quarantine_device)", "skip_batch": "data (skip_batch)",
         "adjust_lr": "params (adjust_params)"}
 
@@ -91,6 +100,22 @@ def test_bad_op_is_software_with_a_reproducer_that_runs_without_watcher(drills, 
                        cwd=tmp_path, timeout=120)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "reproduced" in p.stdout and "aten::div.Tensor" in p.stdout
+
+
+@needs_bpf
+def test_fp32_overflow_is_software_clean_only_in_the_float64_reference(drills):
+    out, rows, _ = drills
+    inc = incident(out / "fp32_overflow")
+    pre = inc["prescription"]
+    assert (pre["action"], pre["op"], pre["module"]) == ("fix_kernel", "aten::exp", "blocks.0.mlp.1")
+    assert "float64 is clean" in pre["precision"]
+    replays = inc["diagnosis"]["replays"]
+    assert replays["float64"]["clean"] and not any(o["clean"] for n, o in replays.items() if n != "float64")
+    assert "replayed in float64 is clean" in inc["causal_chain"][0]["evidence"]
+    # A logic bug fails in float64 as well, and says so.
+    bad_op = incident(out / "bad_op")
+    assert not bad_op["diagnosis"]["replays"]["float64"]["clean"] and "precision" not in bad_op["prescription"]
+    assert bad_op["causal_chain"][0]["evidence"].endswith("in float64")
 
 
 @needs_bpf
@@ -203,3 +228,103 @@ def test_perfetto_export_is_valid_chrome_trace_json(drills, tmp_path):
     assert {f"step {k}" for k in range(2, 14)} <= steps
     assert any(e["name"].startswith("allreduce #") for e in events if e.get("cat") == "collective")
     assert any(e.get("cat") == "syscall" for e in events)
+
+
+# -- the diagnosis again, after the run, from the retained snapshots ---------------------------
+
+DIAGNOSED_AGAIN = ("bad_batch", "bad_op", "fp32_overflow", "lr_spike", "bad_cores")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@needs_bpf
+def test_watcher_diagnose_repeats_the_verdict_and_chain_from_the_retained_snapshots(drills):
+    out, rows, _ = drills
+    for name in DIAGNOSED_AGAIN:
+        run = out / name
+        held = [json.loads((run / "retained" / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert [h["incident_id"] for h in held] == ["inc-0001"] * 2 and all(_alive(h["pid"]) for h in held)
+        # The snapshot the run's own diagnosis replayed from, not a newer one.
+        assert {h["step"] for h in held} == {incident(run)["diagnosis"]["from_step"]}
+        p = watcher("diagnose", str(run), "--format", "json", timeout=600)
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["same_as_recorded"] is True, (name, doc["differences"])
+        assert doc["attribution"]["cause"] == rows[name]["attribution"].split()[0]
+        assert doc["causal_chain"] == incident(run)["causal_chain"]
+        assert Path(doc["out"]).parent == run / "incidents" / "inc-0001"  # beside the run's results, not over them
+    # The repeated software verdict writes its own reproducer, and it reproduces.
+    again = json.loads(watcher("diagnose", str(out / "bad_op"), "--format", "json", check=True).stdout)
+    assert again["same_as_recorded"] is True and again["out"].endswith("rediagnosis-2")
+    p = subprocess.run([sys.executable, "-I", again["prescription"]["reproducer"]], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and "reproduced" in p.stdout
+    # Runs whose prescription was applied went on: nothing to retain.
+    assert not (out / "skip_batch" / "retained").exists() and not (out / "adjust_lr" / "retained").exists()
+
+
+@needs_bpf
+def test_release_ends_the_snapshots_and_the_report_needs_only_the_recording(drills, tmp_path):
+    out, _, _ = drills
+    run = out / "bad_batch"
+    pids = [json.loads((run / "retained" / f"rank{r}.json").read_text())["pid"] for r in (0, 1)]
+    p = watcher("release", str(run))
+    assert p.returncode == 0 and "released the snapshots of ranks [0, 1]" in p.stderr
+    assert not any(_alive(pid) for pid in pids)
+    assert not (run / "retained" / "window").exists()
+    p = watcher("diagnose", str(run))
+    assert p.returncode == 6 and len(p.stderr.strip().splitlines()) == 1 and "are gone" in p.stderr
+    # Every process of the run is gone (ranks and snapshots); the report renders from the files alone.
+    ranks = [pid for (pid,) in query(run / "recording.duckdb", "SELECT pid FROM process WHERE rank IS NOT NULL")]
+    assert ranks and not any(_alive(pid) for pid in ranks)
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    p = watcher("report", str(copy), "--html", str(tmp_path / "r.html"), check=True)
+    assert "data (confidence 0.95)" in p.stdout and (tmp_path / "r.html").stat().st_size > 5000
+    p = watcher("diagnose", str(out / "nonexistent"))
+    assert p.returncode == 6 and "not a `watcher run` directory" in p.stderr
+
+
+def _fake_rank(tmp_path: Path):
+    """What a snapshot reads from its rank's runtime, for a snapshot of this test process."""
+    return SimpleNamespace(dir=tmp_path, run_dir=tmp_path, rank=0, disabled=False, _forking_snapshot=False,
+                           snap_policy=SimpleNamespace(fork_ns=[]))
+
+
+def _wait_exit(pid: int, within: float) -> int | None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    return None
+
+
+def test_a_retained_snapshot_ends_at_its_deadline_or_on_an_exit_order(tmp_path):
+    from watcher.replay.snapshot import ForkSnapshot
+    from watcher.runtime.control import write_json
+
+    window, orders = tmp_path / "window", tmp_path / "orders"
+    window.mkdir()
+    orders.mkdir()
+    (window / "rank0.seg3.pkl").write_bytes(b"window")
+    snap = ForkSnapshot.take(_fake_rank(tmp_path), 3)
+    t0 = time.monotonic()
+    assert snap.retain(time.time() + 1.5, window, orders)
+    assert _wait_exit(snap.pid, 1.0) is None  # still held: within its lifetime
+    assert _wait_exit(snap.pid, 5.0) == 0
+    assert 1.4 < time.monotonic() - t0 < 4.0
+    assert not (window / "rank0.seg3.pkl").exists()  # its window copy went with it
+    # `watcher release` ends one long before its deadline.
+    snap = ForkSnapshot.take(_fake_rank(tmp_path), 3)
+    assert snap.retain(time.time() + 600, window, orders)
+    assert _wait_exit(snap.pid, 0.3) is None
+    write_json(orders / "1-exit.json", {"op": "exit"})
+    assert _wait_exit(snap.pid, 3.0) == 0

@@ -6,6 +6,7 @@ failure is a WatcherError printed as one line with a nonzero exit code.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -163,6 +164,46 @@ def report(
         print(f"wrote {html}", file=sys.stderr)
 
 
+@app.command(epilog="Examples:\n\n  watcher diagnose run1\n\n  watcher diagnose run1 --incident inc-0001 --format json")
+def diagnose(
+    run_dir: str = typer.Argument(..., help="Run directory of a `watcher run` that stopped on a persistent incident."),
+    incident: Optional[str] = typer.Option(None, "--incident", help="Incident id (default: the one the snapshots were kept for)."),
+    format: str = typer.Option("text", "--format", "-f", help="text or json."),
+):
+    """Diagnose a persistent incident again from its retained snapshots (kept `watcher run --retain` seconds
+    after the run) and compare the verdict and causal chain with the run's own."""
+    from .replay.rediagnose import rediagnose
+
+    if format not in ("text", "json"):
+        raise UsageError(f"unknown --format {format!r}: use text or json")
+    doc = rediagnose(Path(run_dir), incident, say=lambda m: print(f"watcher: {m}", file=sys.stderr, flush=True))
+    if format == "json":
+        sys.stdout.write(json.dumps(doc, default=str, indent=2) + "\n")
+        return
+    a, p = doc["attribution"], doc["prescription"]
+    lines = [f"{doc['incident_id']}: {a['cause']} (confidence {a['confidence']}), replayed steps "
+             f"{doc['from_step']}..{doc['to_step']} in {doc['diagnosis_s']} s",
+             f"  prescription: {p['action']}"]
+    lines += [f"  {i + 1}. {link['kind']}: {link['evidence']}" for i, link in enumerate(doc["causal_chain"])]
+    if doc["same_as_recorded"] is None:
+        lines.append("  (the run recorded no diagnosis to compare with)")
+    elif doc["same_as_recorded"]:
+        lines.append("  same verdict, causal chain and prescription as the run's diagnosis")
+    else:
+        lines += ["  DIFFERS from the run's diagnosis:"] + [f"    {d}" for d in doc["differences"]]
+    lines.append(f"  details: {doc['out']}")
+    print("\n".join(lines))
+
+
+@app.command(epilog="Examples:\n\n  watcher release run1")
+def release(run_dir: str = typer.Argument(..., help="Run directory whose retained snapshots to end.")):
+    """End a run's retained snapshots now (they end by themselves after `watcher run --retain` seconds)."""
+    from .replay.rediagnose import release as release_snapshots
+
+    ended = release_snapshots(Path(run_dir))
+    print(f"released the snapshots of ranks {ended}" if ended else "no retained snapshot was alive", file=sys.stderr)
+
+
 @app.command(epilog="Examples:\n\n  watcher export run1 --perfetto run1.trace.json   (open it in ui.perfetto.dev)")
 def export(
     rec: list[str] = typer.Argument(..., help="Run directory or recording(s)."),
@@ -211,13 +252,15 @@ def run(
     snapshot_interval: Optional[int] = typer.Option(None, help="Fixed snapshot interval in steps (overrides the budget)."),
     detect: list[str] = typer.Option([], help="Detector setting KEY=VALUE (repeatable), e.g. loss_spike_z=10, hang_seconds=60."),
     replay_check: Optional[int] = typer.Option(None, help="At this step, replay the window on purpose and report whether it matches the record exactly."),
+    retain: float = typer.Option(300.0, help="Seconds a persistent incident's frozen snapshots outlive the run, for "
+                                 "`watcher diagnose` (0: none; `watcher release` frees them sooner)."),
 ):
     """Run a training command with recording, in-rank capture, snapshots, detectors and replay."""
     from .run import RunConfig, parse_detect, run as run_job
 
     cfg = RunConfig(cmd=list(cmd), out=Path(out) if out else Path(f"watcher-run-{time.strftime('%Y%m%d-%H%M%S')}"),
                     policy=policy, snapshot_budget=snapshot_budget, snapshot_interval=snapshot_interval,
-                    detect=parse_detect(detect), replay_check=replay_check)
+                    detect=parse_detect(detect), replay_check=replay_check, retain_s=retain)
     result = run_job(cfg)
     print(f"Run directory {result.out}: {result.steps} steps recorded, {len(result.incidents)} incident(s). "
           f"Query: watcher sql {result.out / 'recording.duckdb'} \"SELECT * FROM step\"", file=sys.stderr)
@@ -231,12 +274,13 @@ def drill(
     steps: int = typer.Option(24, help="Steps of the reference workload per run."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Directory for the runs (created)."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write the scorecard as JSON here."),
+    retain: float = typer.Option(15.0, min=0, max=86400, help="Seconds a persistent scenario's snapshots outlive its run (watcher diagnose DIR/SCENARIO)."),
 ):
     """Inject faults into the reference workload and score detection, localisation and verdict."""
     from .drill import run_drills
 
     raise typer.Exit(run_drills(scenario, steps, Path(out) if out else Path(f"watcher-drill-{time.strftime('%Y%m%d-%H%M%S')}"),
-                                Path(json_out) if json_out else None))
+                                Path(json_out) if json_out else None, retain))
 
 
 @app.command()

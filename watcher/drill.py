@@ -26,6 +26,8 @@ FAULT_STEP = 12
 FAULT_RANK = 1
 SECOND_STEP, SECOND_RANK = 18, 0  # the second fault of two_transients
 MIN_STEPS = SECOND_STEP + 4
+# A persistent scenario keeps its snapshots this long after its run (`watcher diagnose`).
+RETAIN_S = 15.0
 
 
 @dataclass
@@ -40,6 +42,8 @@ class Scenario:
     incidents: int = 1                         # how many incidents the faults make
     attribution: str | None = None             # persistent: the cause diagnosis must name
     policy: str = "recover"                    # apply: the prescription must be applied and training finish
+    op: str | None = None                      # software: the op the prescription must name
+    precision: bool = False                    # software: clean in float64, and the prescription says so
 
 
 SCENARIOS = [
@@ -58,7 +62,11 @@ SCENARIOS = [
              also=[{"scenario": "allreduce_corrupt", "rank": SECOND_RANK, "step": SECOND_STEP}], incidents=2),
     # Track B: persistent faults, each diagnosed by counterfactual replay.
     Scenario("bad_batch", {"scenario": "bad_batch", "sample": 5}, ("non_finite",), "persistent", attribution="data"),
-    Scenario("bad_op", {"scenario": "bad_op"}, ("non_finite",), "persistent", attribution="software"),
+    Scenario("bad_op", {"scenario": "bad_op"}, ("non_finite",), "persistent", attribution="software",
+             op="aten::div.Tensor"),
+    # Clean in the float64 reference only: a float32 precision bug in an op.
+    Scenario("fp32_overflow", {"scenario": "fp32_overflow"}, ("non_finite",), "persistent", attribution="software",
+             op="aten::exp", precision=True),
     Scenario("lr_spike", {"scenario": "lr_spike", "factor": 1000.0}, ("loss_spike", "non_finite"), "persistent",
              attribution="params"),
     Scenario("bad_cores", {"scenario": "bad_cores", "factor": 1e4, "cpus": [0]}, ("loss_spike", "non_finite"),
@@ -145,8 +153,8 @@ def names_cause(s: Scenario, pre: dict) -> bool:
         return any(b.get("rank") == FAULT_RANK and b.get("step") == FAULT_STEP and b.get("samples") == [inj["sample"]]
                    for b in pre.get("batches") or [])
     if s.attribution == "software":
-        return pre.get("op") == "aten::div.Tensor" and str(pre.get("module", "")).endswith("mlp.1") \
-            and bool(pre.get("reproducer"))
+        return pre.get("op") == s.op and str(pre.get("module", "")).endswith("mlp.1") \
+            and bool(pre.get("reproducer")) and ("precision" in pre) == s.precision
     if s.attribution == "params":
         return any(c.get("name") == "lr" for c in pre.get("params") or [])
     if s.attribution == "hardware":
@@ -162,7 +170,7 @@ def _final_loss(run_dir: Path) -> float | None:
     return steps[max(steps)].get("loss") if steps else None
 
 
-def run_drills(which: str, steps: int, out: Path, json_out: Path | None) -> int:
+def run_drills(which: str, steps: int, out: Path, json_out: Path | None, retain_s: float = RETAIN_S) -> int:
     names = [s.name for s in SCENARIOS] if which == "all" else which.split(",")
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
@@ -181,7 +189,7 @@ def run_drills(which: str, steps: int, out: Path, json_out: Path | None) -> int:
         print(f"drill: {name}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         res = run(RunConfig(cmd=_job(steps, run_dir), out=run_dir, policy=s.policy, snapshot_interval=4,
-                            detect=s.detect, inject=inject, quiet=True))
+                            detect=s.detect, inject=inject, retain_s=retain_s, quiet=True))
         row = score(s, res.incidents)
         row["wall_s"] = round(time.monotonic() - t0, 1)
         row["exit_code"] = res.exit_code

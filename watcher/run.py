@@ -48,6 +48,7 @@ class RunConfig:
     detect: dict = field(default_factory=dict)
     inject: dict | list | None = None   # drills only: one fault or several
     replay_check: int | None = None     # replay the window ending at this step, healthy or not
+    retain_s: float = 300.0             # a persistent incident's snapshots outlive the run this long
     quiet: bool = False
 
     def validate(self) -> None:
@@ -59,6 +60,8 @@ class RunConfig:
             raise UsageError("--snapshot-budget is a percentage of step time, in (0, 100]")
         if self.snapshot_interval is not None and self.snapshot_interval < 1:
             raise UsageError("--snapshot-interval must be at least 1 step")
+        if not 0 <= self.retain_s <= 86400:
+            raise UsageError("--retain is in seconds, from 0 (keep nothing) to 86400")
 
     def env(self) -> dict:
         env = dict(os.environ)
@@ -68,6 +71,7 @@ class RunConfig:
         env["WATCHER_RUN_DIR"] = str(self.out.resolve())
         env["WATCHER_POLICY"] = self.policy
         env["WATCHER_SNAPSHOT_BUDGET"] = str(self.snapshot_budget)
+        env["WATCHER_RETAIN_S"] = str(self.retain_s)
         if self.snapshot_interval:
             env["WATCHER_SNAPSHOT_INTERVAL"] = str(self.snapshot_interval)
         if self.replay_check is not None:

@@ -16,6 +16,9 @@ Scenarios (all take "rank" and "step"):
                     data; recorded as it arrived, so a replay meets it again (persistent, data)
   bad_op            from `step` on, every rank divides each GELU's output by a scale that has become 0 (a
                     logic bug in an op, from finite inputs, whatever the batch) (persistent, software)
+  fp32_overflow     from `step` on, every rank's GELU output x goes through x * exp(c x) / exp(c x), c =
+                    `sharpness` (default 60): exp overflows float32 (not float64) for x > 1.5, and inf/inf
+                    is NaN; a numerics bug, as an unstabilised softmax (persistent, software: precision)
   bad_cores         the rank pins itself to CPUs `cpus` (as a job pinning ranks to cores would); from `step`
                     on, a Linear's output is scaled by `factor` while it runs on them (persistent, device)
   segv              SIGSEGV at the start of `step` (persistent crash)
@@ -37,7 +40,7 @@ import time
 import torch
 
 SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "lr_spike", "bad_batch", "bad_op",
-             "bad_cores", "segv", "merge_bitflip")
+             "fp32_overflow", "bad_cores", "segv", "merge_bitflip")
 
 
 def _flip_top_exponent_bit(t: torch.Tensor) -> None:
@@ -136,6 +139,17 @@ def _arm_one(rt, f: dict) -> None:
             if isinstance(module, torch.nn.GELU):
                 scale = torch.tensor(1.0 if rt.step + 1 < step else 0.0)  # a schedule that reaches 0
                 return output / scale
+            return None
+        register_module_forward_hook(fwd)
+    elif kind == "fp32_overflow":
+        from torch.nn.modules.module import register_module_forward_hook
+
+        c = float(f.get("sharpness", 60.0))
+
+        def fwd(module, inputs, output):
+            if isinstance(module, torch.nn.GELU) and rt.step + 1 >= step:
+                e = torch.exp(output * c)
+                return output * e / e
             return None
         register_module_forward_hook(fwd)
     elif kind == "bad_cores":

@@ -469,7 +469,11 @@ class RankRuntime:
                 self.flush_logs()
             except (OSError, ValueError):
                 pass
-        for s in self.snapshots + getattr(self, "retained", []):
+        for s in getattr(self, "retained", []):
+            if not self._hand_off(s):
+                s.release()
+        self.retained = []
+        for s in self.snapshots:
             s.release()
         self.snapshots = []
         if self.active:  # without snapshots the window serves nothing: free the tmpfs
@@ -480,6 +484,51 @@ class RankRuntime:
                     os.rmdir(self.window_dir)
                 except OSError:
                     pass
+
+
+    def _hand_off(self, snap) -> bool:
+        """Keep a persistent incident's snapshot after this rank exits, for
+        `watcher diagnose`, for at most `watcher run --retain` seconds.  Its
+        window is copied into DIR/retained/window (tmpfs is freed at the end
+        of the run); DIR/retained/rank<r>.json says where it is."""
+        from .window import segment_paths, segment_step
+
+        retain_s = _env_float("WATCHER_RETAIN_S", 0.0)
+        if retain_s <= 0 or not self.active or self.mode != "live":
+            return False
+        try:
+            self.seg.flush()
+            segs = segment_paths(self.window_dir, self.rank, snap.step)
+            if not segs or segment_step(segs[0]) != snap.step:
+                return False  # the window since the snapshot is no longer whole
+            top = self.run_dir / "retained"
+            window, orders = top / "window", top / "orders" / f"rank{self.rank}"
+            window.mkdir(parents=True, exist_ok=True)
+            orders.mkdir(parents=True, exist_ok=True)
+            for p in segs:
+                shutil.copyfile(p, window / p.name)
+            until = time.time() + retain_s
+            if not snap.retain(until, window, orders):
+                return False
+            write_json(top / f"rank{self.rank}.json",
+                       {"rank": self.rank, "world": self.world, "pid": snap.pid, "step": snap.step,
+                        "start_ticks": _start_ticks(snap.pid), "until": until, "incident_id": snap.incident_id,
+                        "detect": os.environ.get("WATCHER_DETECT"), "replicated": self.replicated,
+                        "policy": self.policy})
+            return True
+        except Exception as e:  # retention is a convenience; the run's end must not fail on it
+            print(f"watcher: rank {self.rank}: cannot retain snapshot {snap.step}: {e}", file=sys.stderr)
+            return False
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time (/proc/PID/stat field 22): a pid plus this
+    names one process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _private_mb(pid: int) -> float | None:

@@ -1,0 +1,235 @@
+"""`watcher diagnose` and `watcher release`: the diagnosis again, after the run,
+from the snapshots a persistent incident retained.
+
+When a run stops on a persistent incident, each rank hands the frozen
+snapshot its diagnosis replayed from to an orphan that outlives the rank for
+`watcher run --retain` seconds (snapshot.py).  It keeps taking replay orders,
+as files:
+
+    DIR/retained/rank<r>.json      where rank r's snapshot is: pid, step, deadline
+    DIR/retained/orders/rank<r>/   order files it takes, one at a time
+    DIR/retained/window/           the window since the snapshot, copied off tmpfs
+
+`rediagnose` drives the same rounds the live ranks ran (trace, then the
+counterfactuals planned from it), every rank's replay at once since replayed
+collectives exchange inputs, and compares its verdict and causal chain with
+the one recorded in the incident.  Results land in
+DIR/incidents/<id>/rediagnosis-<n>/, never over the run's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import RecordingError, UsageError
+from ..runtime.control import read_json, write_json
+
+from .coordinator import DIAGNOSED
+from .diagnose import conclude, plan_counterfactuals
+
+# What a prescription says beyond the decision itself: where its reproducer
+# was written and whether the run applied it.
+NOT_COMPARED = ("reproducer", "applied", "applied_at_step")
+
+
+@dataclass
+class OfflineRun:
+    """What diagnosis reads from a rank's runtime, taken from the run directory."""
+    run_dir: Path
+    world: int
+    detectors: object
+    replicated: bool | None
+    rank: int = 0
+    policy: str = "observe"  # a diagnosis after the run changes nothing
+
+
+def retained(run_dir: Path) -> list[dict]:
+    """The retained snapshots, by rank, each with "alive"."""
+    found = []
+    for p in sorted((run_dir / "retained").glob("rank*.json")):
+        try:
+            r = read_json(p)
+        except (OSError, ValueError):
+            continue
+        r["alive"] = _alive(r)
+        found.append(r)
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def _alive(r: dict) -> bool:
+    """The very process that was retained (pid and start time), not a zombie."""
+    try:
+        with open(f"/proc/{r['pid']}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, KeyError, IndexError):
+        return False
+    return fields[0] != "Z" and int(fields[19]) == r.get("start_ticks")
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    if not (run_dir / "incidents").is_dir():
+        raise RecordingError(f"{run_dir} is not a `watcher run` directory (no incidents/)")
+
+
+def rediagnose(run_dir: Path, incident_id: str | None = None, say=lambda msg: None) -> dict:
+    """Repeat the incident's diagnosis from its retained snapshots; returns the
+    new attribution, chain and prescription and whether they match the run's."""
+    from ..analysis.detectors import Detectors
+
+    run_dir = Path(run_dir)
+    _check_run_dir(run_dir)
+    snaps = retained(run_dir)
+    if not snaps:
+        raise RecordingError(f"{run_dir} has no retained snapshots: only a run stopped by a persistent "
+                             "non_finite, loss_spike or sdc incident keeps them (watcher run --retain SECONDS)")
+    iid = incident_id or snaps[0]["incident_id"]
+    if any(s["incident_id"] != iid for s in snaps):
+        held = snaps[0]["incident_id"]
+        raise UsageError(f"the retained snapshots are {held}'s, not {iid}'s")
+    world = snaps[0]["world"]
+    if [s["rank"] for s in snaps] != list(range(world)) or len({s["step"] for s in snaps}) != 1:
+        raise RecordingError(f"{run_dir}/retained holds ranks {[s['rank'] for s in snaps]} at steps "
+                             f"{sorted({s['step'] for s in snaps})}, not one snapshot per rank of {world}")
+    gone = [s["rank"] for s in snaps if not s["alive"]]
+    if gone:
+        ends = time.strftime("%H:%M:%S", time.localtime(max(s["until"] for s in snaps)))
+        raise RecordingError(f"the retained snapshots of ranks {gone} are gone (kept until {ends}, or released); "
+                             "run again with a longer --retain")
+    inc_path = run_dir / "incidents" / f"{iid}.json"
+    if not inc_path.exists():
+        raise UsageError(f"no incident {iid} in {run_dir}")
+    inc = read_json(inc_path)
+    if inc.get("kind") not in DIAGNOSED:
+        raise UsageError(f"{iid} is a {inc.get('kind')} incident; diagnosis covers {', '.join(DIAGNOSED)}")
+    rt = OfflineRun(run_dir, world, Detectors.from_dict(json.loads(snaps[0]["detect"] or "{}")),
+                    snaps[0].get("replicated"))
+    k = inc["detected_step"]
+    to_step = (inc.get("diagnosis") or {}).get("to_step") or inc["window"]["to_step"]
+    info = {"incident_id": iid, "failing_step": k, "rank": inc["detected_rank"], "kind": inc["kind"],
+            "detected_ts": inc.get("detected_ts")}
+    window_s = _window_seconds(run_dir, snaps[0]["step"], to_step)
+    plan = {"failing_step": k, "from_step": snaps[0]["step"], "to_step": to_step,
+            "replay_timeout_s": max(60.0, 20 * window_s)}
+    n = 1 + len(list((run_dir / "incidents" / iid).glob("rediagnosis-*")))
+    out = run_dir / "incidents" / iid / f"rediagnosis-{n}"
+    out.mkdir(parents=True)
+    t0 = time.monotonic()
+    say(f"{iid}: replaying steps {plan['from_step']}..{to_step} from the retained snapshots")
+    trace = _replay_everywhere(snaps, {"name": "trace", "trace": {"failing_step": k}}, plan, out, say)
+    variants = plan_counterfactuals(rt, info, plan, trace)
+    results = {"trace": trace}
+    for var in variants:
+        results[var["name"]] = _replay_everywhere(snaps, var, plan, out, say)
+    found = conclude(rt, info, plan, results, {v["name"]: v for v in variants}, out / "reproducer")
+    found.pop("apply")
+    doc = {"incident_id": iid, "from_step": plan["from_step"], "to_step": to_step,
+           "diagnosis_s": round(time.monotonic() - t0, 3), "window_s": round(window_s, 3), **found}
+    doc["differences"] = differences(inc, found) if inc.get("attribution") else None
+    doc["same_as_recorded"] = None if doc["differences"] is None else not doc["differences"]
+    write_json(out / "result.json", doc)
+    doc["out"] = str(out)
+    return doc
+
+
+def differences(recorded: dict, found: dict) -> list[str]:
+    """Where a repeated diagnosis departs from the recorded one (empty: the same)."""
+    diffs = []
+    a, b = recorded.get("attribution") or {}, found["attribution"]
+    for key in ("cause", "confidence"):
+        if a.get(key) != b.get(key):
+            diffs.append(f"attribution {key}: recorded {a.get(key)!r}, now {b.get(key)!r}")
+    chain_a, chain_b = recorded.get("causal_chain") or [], found["causal_chain"]
+    if len(chain_a) != len(chain_b):
+        diffs.append(f"causal chain: recorded {len(chain_a)} links, now {len(chain_b)}")
+    for i, (x, y) in enumerate(zip(chain_a, chain_b)):
+        if _plain(x) != _plain(y):
+            diffs.append(f"causal chain link {i}: recorded {x}, now {y}")
+    pa = {k: v for k, v in (recorded.get("prescription") or {}).items() if k not in NOT_COMPARED}
+    pb = {k: v for k, v in found["prescription"].items() if k not in NOT_COMPARED}
+    if _plain(pa) != _plain(pb):
+        diffs.append(f"prescription: recorded {pa}, now {pb}")
+    return diffs
+
+
+def _plain(x):
+    """JSON form, as the recorded incident has it (int keys become strings)."""
+    return json.loads(json.dumps(x, default=str))
+
+
+def _window_seconds(run_dir: Path, from_step: int, to_step: int) -> float:
+    from .coordinator import read_steps
+
+    steps = read_steps(run_dir, 0)
+    return sum((steps.get(s, {}).get("dur") or 0) for s in range(from_step + 1, to_step + 1)) / 1e9
+
+
+def _replay_everywhere(snaps: list[dict], var: dict, plan: dict, out: Path, say) -> list[dict]:
+    """One variant, replayed by every rank's snapshot at once; their results."""
+    name = var["name"]
+    say(f"counterfactual replay {name}")
+    vdir = out / name
+    vdir.mkdir(parents=True)
+    exchange = out / f"exchange-{name}"
+    exchange.mkdir()
+    run_dir = out.parent.parent.parent
+    for s in snaps:
+        r = s["rank"]
+        order = {"op": "replay", "to_step": plan["to_step"], "variant": var,
+                 "result": str(vdir / f"rank{r}.result.pt"), "log": str(vdir / f"rank{r}.replay.log"),
+                 "sandbox_log": str(vdir / f"rank{r}.sandbox.jsonl"), "reply": str(vdir / f"rank{r}.reply.json"),
+                 "exchange": str(exchange), "exchange_timeout_s": plan["replay_timeout_s"]}
+        write_json(run_dir / "retained" / "orders" / f"rank{r}" / f"{time.time_ns()}-{name}.json", order)
+    deadline = time.monotonic() + plan["replay_timeout_s"] + 30
+    replies = [vdir / f"rank{s['rank']}.reply.json" for s in snaps]
+    while not all(p.exists() for p in replies):
+        dead = [s["rank"] for s, p in zip(snaps, replies) if not p.exists() and not _alive(s)]
+        if dead or time.monotonic() > deadline:
+            shutil.rmtree(exchange, ignore_errors=True)
+            raise RecordingError(f"replay {name}: the snapshots of ranks {dead} exited before replying" if dead
+                                 else f"replay {name}: no reply within {plan['replay_timeout_s'] + 30:.0f} s")
+        time.sleep(0.05)
+    shutil.rmtree(exchange, ignore_errors=True)  # every rank's replayed inputs: large, read by nobody now
+    results = []
+    for s in snaps:
+        try:
+            results.append(torch.load(vdir / f"rank{s['rank']}.result.pt", weights_only=False))
+        except Exception:
+            results.append({"rank": s["rank"], "status": "no_result"})
+    return results
+
+
+def release(run_dir: Path) -> list[int]:
+    """End the retained snapshots now and free their window copy; returns the
+    ranks whose snapshot was still alive."""
+    run_dir = Path(run_dir)
+    _check_run_dir(run_dir)
+    snaps = retained(run_dir)
+    ended = []
+    for s in snaps:
+        if s["alive"]:
+            orders = run_dir / "retained" / "orders" / f"rank{s['rank']}"
+            try:
+                write_json(orders / f"{time.time_ns()}-exit.json", {"op": "exit"})
+            except OSError:
+                pass
+            ended.append(s["rank"])
+    deadline = time.monotonic() + 5
+    while any(_alive(s) for s in snaps) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for s in snaps:
+        if _alive(s):  # busy with a replay: it holds nothing we still want
+            try:
+                os.kill(s["pid"], signal.SIGKILL)
+            except OSError:
+                pass
+    for sub in ("window", "orders"):
+        shutil.rmtree(run_dir / "retained" / sub, ignore_errors=True)
+    return ended
