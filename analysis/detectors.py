@@ -31,6 +31,7 @@ class Detectors:
     sdc: bool = True
     hang_seconds: float = 300.0
     hang_factor: float = 20.0
+    collective_timeout: float = 600.0
     transient_limit: int = 3
     transient_window: int = 1000
     history: list = field(default_factory=list, repr=False)

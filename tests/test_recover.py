@@ -100,6 +100,31 @@ def test_repeated_transients_on_one_rank_are_escalated_not_recovered_forever(tmp
 
 
 @needs_bpf
+def test_a_collective_stuck_on_a_silent_link_is_aborted_and_retried(tmp_path, plain_reference):
+    """Every packet reaching rank 1's gloo connections is dropped from the
+    step-9 allreduce on: nothing fails, both ranks wait inside it (gloo's own
+    timeout is 30 min).  The per-operation timeout (2 s here) sees every
+    member inside, aborts the collective on each rank, and the relink path
+    rebuilds the transport and issues it again from the inputs as issued."""
+    p = run_with(tmp_path, {"scenario": "net_blackhole", "rank": 1, "step": 9}, *reference(tmp_path / "w.pt"),
+                 detect={"collective_timeout": 2.0})
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "w.pt.sha256").read_text() == plain_reference
+    incidents = sorted((tmp_path / "run" / "incidents").glob("inc-*.json"))
+    assert len(incidents) == 1  # the hang detector (300 s) never fired
+    inc = json.loads(incidents[0].read_text())
+    assert (inc["kind"], inc["detected_step"], inc["classification"], inc["transient_cause"]) == \
+        ("collective_error", 9, "transient", "communication")
+    assert (inc["recovered"], inc["resumed_at_step"], inc["steps_lost"]) == (True, 9, 0)
+    assert 2.0 <= inc["detail"]["stalled_s"] < 10
+    assert "every member inside it" in inc["detail"]["error"]
+    rec = tmp_path / "run" / "recording.duckdb"
+    assert [(r, c) for r, _, c in query(rec, RANK_PROCESSES)] == [(0, 0), (1, 0)]  # the same pids, no restart
+    assert query(rec, "SELECT count(*), count(DISTINCT out_sum) FROM collective_io WHERE op = 'allreduce' "
+                      "AND step = 9") == [(2, 1)]
+
+
+@needs_bpf
 def test_a_reset_link_is_rebuilt_and_the_collective_retried(tmp_path, plain_reference):
     """The network drops rank 1's gloo connections before the step-9 allreduce:
     without Watcher both ranks raise and the job dies.  Watcher rebuilds the

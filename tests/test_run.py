@@ -166,11 +166,12 @@ def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
     out = tmp_path / "drills.json"
     # The persistent drills diagnosed by counterfactual replay are in test_diagnose.py.
     p = watcher("drill", "--steps", "22", "--out", str(tmp_path / "d"), "--json", str(out), "--scenario",
-                "grad_bitflip,allreduce_corrupt,stall,link_reset,merge_bitflip,two_transients,segv", timeout=1200)
+                "grad_bitflip,allreduce_corrupt,stall,link_reset,net_blackhole,merge_bitflip,two_transients,segv",
+                timeout=1200)
     card = json.loads(out.read_text())["scenarios"]
     by = {row["scenario"]: row for row in card}
-    assert set(by) == {"grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "merge_bitflip", "two_transients",
-                       "segv"}
+    assert set(by) == {"grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "merge_bitflip",
+                       "two_transients", "segv"}
     failed = [r for r in card if not r["pass"]]
     assert not failed, f"{failed}\n{p.stdout}\n{p.stderr[-3000:]}"
     assert p.returncode == 0
@@ -180,7 +181,9 @@ def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
     # Track A: every transient recovered in place, no step lost, and the final
     # parameters are bit-identical to the fault-free baseline run's.
     assert by["link_reset"]["detected"] == "collective_error@12"  # the transport was rebuilt and the allreduce retried
-    for name in ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "merge_bitflip", "two_transients"):
+    assert by["net_blackhole"]["detected"] == "collective_error@12"  # aborted by the per-operation timeout
+    for name in ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "merge_bitflip",
+                 "two_transients"):
         row = by[name]
         assert (row["classification"], row["recovered"], row["steps_lost"], row["bit_identical"], row["exit_code"]) \
             == ("transient", True, 0, True, 0), row
@@ -193,6 +196,9 @@ def test_run_rejects_bad_input_with_one_line(tmp_path):
     cases = [
         (["run", "--policy", "sometimes", "--", "true"], 2, "unknown --policy"),
         (["run", "--snapshot-budget", "0", "--", "true"], 2, "--snapshot-budget"),
+        (["run", "--retain", "-1", "--", "true"], 2, "--retain"),
+        (["diagnose", "/nonexistent-run"], 6, "not a `watcher run` directory"),
+        (["release", "/nonexistent-run"], 6, "not a `watcher run` directory"),
         (["run", "--detect", "nonsense=1", "--", "true"], 2, "unknown detector setting"),
         (["run", "--detect", "loss_spike_z", "--", "true"], 2, "KEY=VALUE"),
         (["drill", "--scenario", "meteor"], 2, "unknown scenario"),

@@ -54,6 +54,10 @@ SCENARIOS = [
              detect={"hang_seconds": 1.5}),
     # The network drops the rank's connections: the collective fails on every member.
     Scenario("link_reset", {"scenario": "link_reset"}, ("collective_error",), "transient", "link"),
+    # The network silently loses the rank's traffic: no error, every member waits in the
+    # collective until the per-operation timeout aborts it and it is retried on a new transport.
+    Scenario("net_blackhole", {"scenario": "net_blackhole"}, ("collective_error",), "transient", "link",
+             detect={"collective_timeout": 2.0}),
     # A fault during the recovery itself: the merged copy gets a flipped bit.
     Scenario("merge_bitflip", {"scenario": "grad_bitflip"}, ("non_finite", "loss_spike"), "transient", "compute",
              also=[{"scenario": "merge_bitflip", "rank": FAULT_RANK, "step": FAULT_STEP}]),

@@ -23,6 +23,9 @@ Scenarios (all take "rank" and "step"):
                     on, a Linear's output is scaled by `factor` while it runs on them (persistent, device)
   segv              SIGSEGV at the start of `step` (persistent crash)
   link_reset        shut down the rank's gloo connections before one collective (transient network fault)
+  net_blackhole     before one collective, every packet arriving on the rank's gloo connections is dropped
+                    (a socket filter): the connections neither deliver nor reset, and the collective waits
+                    with every member inside it (transient network fault; the rebuilt transport is clean)
   merge_bitflip     flip the top exponent bit of one parameter right after a recovery merge, `times`
                     merges in a row (default 1; a fault during recovery itself)
   runtime_bug       an exception inside Watcher's own batch hook (tests fail-open)
@@ -39,7 +42,7 @@ import time
 
 import torch
 
-SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "lr_spike", "bad_batch", "bad_op",
+SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch", "bad_op",
              "fp32_overflow", "bad_cores", "segv", "merge_bitflip")
 
 
@@ -47,6 +50,39 @@ def _flip_top_exponent_bit(t: torch.Tensor) -> None:
     flat = t.detach().view(-1)
     if flat.dtype == torch.float32 and flat.numel():
         flat.view(torch.int32)[0] ^= 1 << 30
+
+
+def _blackhole_connections() -> None:
+    """Attach a drop-everything socket filter (classic BPF, `ret #0`) to every
+    TCP connection of this process except the c10d store's: TCP never sees
+    the peer's data or ACKs again, so nothing fails, everything waits."""
+    import ctypes
+    import socket
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                    ("k", ctypes.c_uint32)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
+
+    drop = (SockFilter * 1)(SockFilter(0x06, 0, 0, 0))  # BPF_RET | BPF_K, accept 0 bytes
+    prog = SockFprog(1, drop)
+    libc = ctypes.CDLL(None, use_errno=True)
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.fromfd(int(name), socket.AF_INET, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            if s.type != socket.SOCK_STREAM or store_port in (s.getsockname()[1], s.getpeername()[1]):
+                continue
+            libc.setsockopt(int(name), socket.SOL_SOCKET, 26, ctypes.byref(prog), ctypes.sizeof(prog))  # SO_ATTACH_FILTER
+        except (OSError, IndexError, TypeError):
+            pass
+        finally:
+            s.close()
 
 
 def _reset_connections() -> None:
@@ -174,6 +210,11 @@ def _arm_one(rt, f: dict) -> None:
         def hook(rt_, meta):
             if meta["step"] == step and once():
                 _reset_connections()
+        rt.fault_hooks.append(("before_collective", hook))
+    elif kind == "net_blackhole":
+        def hook(rt_, meta):
+            if meta["step"] == step and once():
+                _blackhole_connections()
         rt.fault_hooks.append(("before_collective", hook))
     elif kind == "merge_bitflip":
         left = {"n": int(f.get("times", 1))}  # times=2 corrupts the retry as well

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import collectives
+from . import collectives, relink, transport
 from .collectives import COMPUTED_IN_REPLAY
 from .checksum import ParamChecksum, object_sum, rng_digest, tensors_sum
 from .control import Control, read_json, write_json
@@ -77,6 +77,7 @@ class RankRuntime:
         self.replay = None            # replay.state.ReplayState in a replay child
         self.unsupported = None       # why this rank cannot be replayed, if it cannot
         self.in_flight = 0            # collectives issued and not completed
+        self.waiting: dict = {}       # (group, seq) -> (meta, group) of those with a completion callback
         self.exiting = False
         self.resnapshot = False
         self.abnormal_exit = False    # an uncaught exception is ending the process
@@ -195,7 +196,7 @@ class RankRuntime:
                 fn(self, meta)
                 meta["ts"] = time.monotonic_ns()  # the rank reaches the collective only now
 
-    def track_collective(self, meta: dict, outs: list, work, retry=None) -> None:
+    def track_collective(self, meta: dict, outs: list, work, retry=None, group=None) -> None:
         """Record the collective when it completes.  `retry(error)` (for groups
         whose transport Watcher can rebuild) runs the collective again after
         a failure and returns its result, or raises."""
@@ -206,6 +207,7 @@ class RankRuntime:
                         fn(self, meta, outs)
                 meta["dur"] = time.monotonic_ns() - meta["ts"]
                 self.in_flight -= 1
+                self.waiting.pop((meta["group"], meta["seq"]), None)
                 if meta["op"] in COMPUTED_IN_REPLAY:
                     # A replay computes these outputs from every rank's replayed
                     # inputs: the record keeps only their checksum, taken before
@@ -236,12 +238,14 @@ class RankRuntime:
         # can overwrite them first.  A failure goes to the waiter as it is, or,
         # where the transport can be rebuilt, is retried first.
         done = torch.futures.Future()
+        self.waiting[(meta["group"], meta["seq"])] = (meta, group)
 
         def finished(f):
             try:
                 value = f.value()
             except Exception as e:
                 if retry is None:
+                    self.waiting.pop((meta["group"], meta["seq"]), None)
                     done.set_exception(e)
                 else:  # rebuild and retry off gloo's thread
                     threading.Thread(target=self._retry, args=(retry, e, capture, done), daemon=True,
@@ -433,9 +437,42 @@ class RankRuntime:
                         "halt_step": max(ends) + 2, "detected_ts": time.monotonic_ns(),
                         "detail": {"no_progress_s": round(stalled, 3), "limit_s": round(limit, 3),
                                    "last_step_by_rank": ends}})
+                if self.waiting:
+                    self._abort_stuck_collectives()
             except Exception as e:
                 self.fail(e)
                 return
+
+    def _abort_stuck_collectives(self) -> None:
+        """Per-operation timeout: a collective that every member of its group
+        is inside, with no progress for `collective_timeout` seconds, is a
+        network fault (traffic lost, connection not reset): abort it by
+        shutting down the group's sockets (transport.py), so it fails and is
+        issued again on a rebuilt transport (relink.py).  A collective that a
+        member has not reached is left to the hang detector: a slow or stuck
+        rank is not cured by a new connection."""
+        from . import transport
+
+        limit = self.detectors.collective_timeout
+        now = time.monotonic_ns()
+        for meta, group in list(self.waiting.values()):
+            waited = (now - meta["ts"]) / 1e9
+            if not limit or waited < limit or meta.get("aborted") or group is None or not group.sockets:
+                continue
+            if not relink.can_relink(self, group):
+                continue
+            store = c10d._get_default_store()
+            prefix = f"watcher/stuck/{group.gid}/{meta['seq']}/"
+            if not meta.get("said_stuck"):
+                store.set(prefix + str(group.inner.rank()), "1")
+                meta["said_stuck"] = True
+            if not store.check([prefix + str(r) for r in range(group.inner.size())]):
+                continue
+            meta["aborted"], meta["stalled_s"] = True, round(waited, 3)
+            n = transport.abort(group.sockets)
+            print(f"watcher: rank {self.rank}: {meta['op']} #{meta['seq']} at step {meta['step']}: no progress for "
+                  f"{waited:.1f} s with every member inside it; aborted ({n} connections), retrying on a new "
+                  f"transport", file=sys.stderr, flush=True)
 
     def at_exit(self) -> None:
         """The training loop is over.  An incident opened in its last steps,
@@ -607,15 +644,17 @@ def install() -> None:
     orig_init = c10d.init_process_group
 
     def init_process_group(*args, **kwargs):
+        before = transport.socket_inodes()
         result = orig_init(*args, **kwargs)
-        _guard(lambda rt: rt.wrap_default_group())()
+        _guard(lambda rt: rt.wrap_default_group(before))()
         return result
 
     orig_new_group = c10d.new_group
 
     def new_group(*args, **kwargs):
+        before = transport.socket_inodes()
         group = orig_new_group(*args, **kwargs)
-        wrapped = _guard(lambda rt: rt.wrap_group(group))()
+        wrapped = _guard(lambda rt: rt.wrap_group(group, before))()
         return wrapped if wrapped is not None else group
 
     for mod in (c10d, dist):
@@ -674,22 +713,26 @@ def _child_is_not_a_rank() -> None:
         rt.disabled = True
 
 
-def _wrap_default(rt: RankRuntime) -> None:
+def _wrap_default(rt: RankRuntime, sockets_before: set | None = None) -> None:
     real = c10d._world.default_pg
     if real is None or isinstance(real, collectives.WatchedGroup):
         return
     if not rt.active:  # launchers that set RANK only in the children (Lightning's rank 0)
         rt.rank, rt.world = dist.get_rank(), dist.get_world_size()
     w = collectives.wrap(real, rt)
+    if sockets_before is not None:
+        w.sockets = transport.opened_since(sockets_before)
     rt.groups.append(w)
     c10d._world.default_pg = w
     rt.activate()
 
 
-def _wrap_group(rt: RankRuntime, group):
+def _wrap_group(rt: RankRuntime, group, sockets_before: set | None = None):
     if not isinstance(group, dist.ProcessGroup) or isinstance(group, collectives.WatchedGroup):
         return group
     w = collectives.wrap(group, rt)
+    if sockets_before is not None:
+        w.sockets = transport.opened_since(sockets_before)
     rt.groups.append(w)
     return w
 

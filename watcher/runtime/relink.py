@@ -1,12 +1,14 @@
 """Recovering a collective whose transport failed, without a restart (Track A).
 
 When a gloo collective fails (a peer's connection reset or closed, a
-transient network fault) the wrapped group's transport is dead for good, and
-without Watcher the job crashes.  Under `--policy recover` every member of
+transient network fault, or an abort by the per-operation timeout of a
+collective stuck on a link that lost its traffic, transport.py) the wrapped
+group's transport is dead for good, and without Watcher the job crashes.  Under `--policy recover` every member of
 the group, on seeing the same collective fail:
 
 1. checks that the failed operation left its inputs as they were issued (the
-   input checksum taken at issue) and tells the others, through the job's own
+   input checksum taken at issue; a reduction interrupted midway is restored
+   from the copy taken at issue) and tells the others, through the job's own
    c10d store;
 2. if every member's inputs are intact, builds a fresh gloo transport for the
    group on that store (a new key prefix per failed collective, so every
@@ -29,13 +31,14 @@ import time
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from . import transport
 from .checksum import tensors_sum
 
 JOIN_TIMEOUT_S = 60.0
 
 
 def can_relink(rt, group) -> bool:
-    return rt.mode == "live" and rt.policy == "recover" and not rt.disabled and _is_gloo(group)
+    return rt.mode == "live" and rt.policy in ("recover", "apply") and not rt.disabled and _is_gloo(group)
 
 
 def _is_gloo(group) -> bool:
@@ -47,14 +50,20 @@ def _is_gloo(group) -> bool:
     return group.gloo
 
 
-def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseException):
+def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseException, saved: list | None = None):
     """Rebuild `group`'s transport and run the collective again; returns the
-    retried work's result.  Raises `error` when it cannot."""
+    retried work's result.  Raises `error` when it cannot.  `saved` is a copy
+    of the inputs as issued, for a reduction the failure interrupted midway."""
     t0 = time.monotonic_ns()
     store = c10d._get_default_store()
     prefix = f"watcher/relink/{group.gid}/{meta['seq']}/"
     me, size = group.inner.rank(), group.inner.size()
     intact = tensors_sum(ins) == meta["in_sum"]
+    if not intact and saved is not None and tensors_sum(saved) == meta["in_sum"]:
+        for t, s in zip(ins, saved):
+            t.copy_(s)
+        meta["inputs_restored"] = True
+        intact = tensors_sum(ins) == meta["in_sum"]
     store.set(f"{prefix}intact/{me}", "1" if intact else "0")
     keys = [f"{prefix}intact/{r}" for r in range(size)]
     why = None
@@ -65,8 +74,10 @@ def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseEx
     except Exception as e:
         why = f"not every member of the group joined the rebuild: {e}"
     if why is None:
+        before = transport.socket_inodes()
         new = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, size,
                                     datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+        group.sockets = transport.opened_since(before)
         group.replace_inner(new)
         work = getattr(new, op)(*args)
         work.wait()
@@ -90,8 +101,12 @@ def _record(rt, group, meta: dict, error: BaseException, why: str | None, t0: in
         return  # another incident is being handled; this one is in the rank's stderr
     iid = f"inc-{seq:04d}"
     coll = {"group": group.gid, "seq": meta["seq"], "op": meta["op"]}
-    doc = incident_doc(iid, "collective_error", meta["step"], rt.rank, t0,
-                       {"error": str(error).splitlines()[0][:300], "collective": coll}, None, None)
+    detail = {"error": str(error).splitlines()[0][:300], "collective": coll}
+    if meta.get("stalled_s") is not None:  # aborted by the per-operation timeout
+        detail["stalled_s"] = meta["stalled_s"]
+        detail["error"] = (f"no progress for {meta['stalled_s']:g} s with every member inside it "
+                           f"(collective_timeout); transport aborted: {detail['error']}")
+    doc = incident_doc(iid, "collective_error", meta["step"], rt.rank, t0, detail, None, None)
     ok = why is None
     doc.update(classification="transient", track="A", transient_cause="communication", recovered=ok,
                resumed_at_step=meta["step"] if ok else None, steps_lost=0 if ok else None,
