@@ -7,6 +7,7 @@
 | sdc        | replicas disagree: parameter checksums differ across ranks under DDP   | on      |
 | hang       | no step end for max(T, K * median step time)                           | T=300 s, K=20 |
 | crash      | a rank exits non-zero or by signal (seen by `watcher run`)             | on      |
+| stuck collective | every member of a group inside the same collective for C seconds: aborted and retried on a new transport (`collective_timeout`, 0 = off) | C=600 s |
 | repeated transients | the Nth transient on one rank within W steps is escalated to persistent (hardware suspect) instead of recovered again | N=3, W=1000 |
 
 Each is set through WATCHER_DETECT (JSON), e.g. {"loss_spike_z": 12, "hang_seconds": 60},
