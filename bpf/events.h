@@ -21,6 +21,7 @@ typedef int64_t s64;
 #define ARGV_SLOT_LEN 64
 #define FILENAME_LEN 128
 #define COMM_LEN 16
+#define PATH_LEN 112
 
 /* Ring ids, also the index into the per-CPU drop counters. */
 #define RING_SYSCALL 0
@@ -28,7 +29,8 @@ typedef int64_t s64;
 #define RING_PROC 2
 #define RING_SIGNAL 3
 #define RING_API 4
-#define RING_COUNT 5
+#define RING_FILE 5
+#define RING_COUNT 6
 
 /* One completed syscall (enter and exit joined in the kernel). */
 struct syscall_event {
@@ -96,6 +98,19 @@ struct signal_event {
     s32 code;        /* si_code */
     s32 result;      /* GENERATE: TRACE_SIGNAL_* result */
     s32 group;       /* GENERATE: sent to the whole group */
+};
+
+/* One open(2)-family call (open, openat, openat2, creat), with the path as
+ * passed (relative paths stay relative), cut at PATH_LEN - 1 bytes. */
+struct file_event {
+    u64 ts;          /* enter */
+    u64 dur;
+    u32 pid;
+    u32 tid;
+    s64 ret;         /* the new fd, or -errno */
+    u32 flags;       /* O_* flags */
+    u32 nr;
+    char path[PATH_LEN];
 };
 
 /* One library call caught by a uprobe (entry and return joined), see uprobes/. */

@@ -14,9 +14,10 @@ ARGV_SLOTS = 12
 ARGV_SLOT_LEN = 64
 FILENAME_LEN = 128
 COMM_LEN = 16
+PATH_LEN = 112
 
-RING_SYSCALL, RING_FUTEX, RING_PROC, RING_SIGNAL, RING_API = range(5)
-RING_NAMES = ("syscall", "futex", "proc", "signal", "api")
+RING_SYSCALL, RING_FUTEX, RING_PROC, RING_SIGNAL, RING_API, RING_FILE = range(6)
+RING_NAMES = ("syscall", "futex", "proc", "signal", "api", "file")
 
 FUTEX_KIND_WAIT, FUTEX_KIND_WAKE = 1, 2
 PROC_FORK, PROC_THREAD, PROC_EXEC, PROC_EXIT, PROC_REAP, PROC_DLOPEN = 1, 2, 3, 4, 5, 6
@@ -54,12 +55,19 @@ API_EVENT = np.dtype([
     ("ret", "<i8"), ("args", "<u8", (6,)), ("deref", "<u8", (2,)), ("tensor", "<u8", (2,)),
 ])
 
+# struct file_event
+FILE_EVENT = np.dtype([
+    ("ts", "<u8"), ("dur", "<u8"), ("pid", "<u4"), ("tid", "<u4"), ("ret", "<i8"), ("flags", "<u4"),
+    ("nr", "<u4"), ("path", f"S{PATH_LEN}"),
+])
+
 EVENT_DTYPES = {
     "syscall": SYSCALL_EVENT,
     "futex": FUTEX_EVENT,
     "proc": PROC_EVENT,
     "signal": SIGNAL_EVENT,
     "api": API_EVENT,
+    "file": FILE_EVENT,
 }
 
 RINGBUF_HDR = 8

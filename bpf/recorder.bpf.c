@@ -18,6 +18,10 @@
 #include "events.h"
 
 #define NR_POLL 7
+#define NR_OPEN_FILE 2  /* open(2); NR_OPEN is taken by linux/limits.h */
+#define NR_CREAT 85
+#define NR_OPENAT 257
+#define NR_OPENAT2 437
 #define NR_SELECT 23
 #define NR_WAIT4 61
 #define NR_EXECVE 59
@@ -87,6 +91,7 @@ BPF_RINGBUF_OUTPUT(syscall_ring, RING_PAGES_SYSCALL);
 BPF_RINGBUF_OUTPUT(futex_ring, RING_PAGES_FUTEX);
 BPF_RINGBUF_OUTPUT(proc_ring, RING_PAGES_PROC);
 BPF_RINGBUF_OUTPUT(signal_ring, RING_PAGES_SIGNAL);
+BPF_RINGBUF_OUTPUT(file_ring, RING_PAGES_FILE);
 
 /* x86_64 pt_regs holds r10, r9, r8, ax, cx, dx, si, di contiguously: one
  * read gets all six syscall arguments (di si dx r10 r8 r9). */
@@ -179,6 +184,42 @@ static __always_inline int emit_syscall(u64 ts, u64 dur, u32 tgid, u32 tid, s64 
     e->cpu = bpf_get_smp_processor_id();
     syscall_ring.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
     return 1;
+}
+
+/* An open-family call, with its path: which files a job opened (a dataset,
+ * a checkpoint) is a question syscall numbers alone cannot answer.  The
+ * path is read at exit: the caller's buffer is still there. */
+static __always_inline void emit_file(u64 ts, u64 dur, u32 tgid, u32 tid, s64 ret, u32 nr,
+                                      struct pt_regs *regs)
+{
+    u64 a[6] = {};
+    read_args(regs, a);
+    struct file_event *e = file_ring.ringbuf_reserve(sizeof(struct file_event));
+    if (!e) {
+        count_drop(RING_FILE);
+        return;
+    }
+    e->ts = ts;
+    e->dur = dur;
+    e->pid = tgid;
+    e->tid = tid;
+    e->ret = ret;
+    e->nr = nr;
+    u64 path = nr == NR_OPEN_FILE || nr == NR_CREAT ? a[0] : a[1];
+    if (nr == NR_OPEN_FILE)
+        e->flags = a[1];
+    else if (nr == NR_CREAT)
+        e->flags = 01 | 0100 | 01000;  /* O_WRONLY | O_CREAT | O_TRUNC */
+    else if (nr == NR_OPENAT)
+        e->flags = a[2];
+    else {
+        u64 how = 0;  /* struct open_how: flags first */
+        bpf_probe_read_user(&how, sizeof(how), (void *)a[2]);
+        e->flags = how;
+    }
+    if (bpf_probe_read_user_str(e->path, sizeof(e->path), (void *)path) < 0)
+        e->path[0] = 0;
+    file_ring.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
 }
 
 static __always_inline struct stat_val_t *stat_slot(u32 tgid, u32 tid, u32 nr)
@@ -380,6 +421,11 @@ RAW_TRACEPOINT_PROBE(sys_exit)
         in->ts = 0;
         return 0;
     }
+
+#if PROBE_FILE
+    if (nr == NR_OPENAT || nr == NR_OPEN_FILE || nr == NR_OPENAT2 || nr == NR_CREAT)
+        emit_file(in->ts, dur, tgid, tid, ret, nr, regs);
+#endif
 
 #if PROBE_SYSCALL
     if (emit_syscall(in->ts, dur, tgid, tid, ret, nr, in->have_args ? in->args : 0, regs) && s)

@@ -21,13 +21,13 @@ from .ringbuf import RingReader
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "recorder.bpf.c"
 
-KERNEL_PROBES = ("syscall", "futex", "proc", "signal")
+KERNEL_PROBES = ("syscall", "futex", "proc", "signal", "file")
 LIBRARY_PROBES = ("libtorch", "libtorch_cuda", "libcudart", "libnccl")   # uprobes/<name>.toml
 ALL_PROBES = KERNEL_PROBES + LIBRARY_PROBES
 
 # Ring sizes in pages (powers of two).  The syscall ring (32 MiB) holds
 # ~350k records: a quarter of a second of a 1.3M/s storm.
-DEFAULT_RING_PAGES = {"syscall": 8192, "futex": 1024, "proc": 256, "signal": 64, "api": 1024}
+DEFAULT_RING_PAGES = {"syscall": 8192, "futex": 1024, "proc": 256, "signal": 64, "api": 1024, "file": 512}
 UPROBES_DIR = HERE.parent / "uprobes"
 
 

@@ -96,6 +96,7 @@ class ForkSnapshot:
 
     @classmethod
     def take(cls, rt, k: int):
+        _preload()
         pause_openmp()
         cmd_r, cmd_w = os.pipe()
         resp_r, resp_w = os.pipe()
@@ -192,6 +193,15 @@ class ForkSnapshot:
             except OSError:
                 pass
         threading.Thread(target=_reap, args=(self.pid,), daemon=True).start()
+
+
+def _preload() -> None:
+    """Import here, before the fork, what the snapshot and its replays run:
+    importing after a fork loads libraries (ctypes.CDLL), and a lock another
+    thread of the rank held at the fork (the dynamic loader's, during a C++
+    unwind in a gloo thread) would be held forever in the child."""
+    from . import exchange, sandbox, state, variants  # noqa: F401
+    from ..runtime import window  # noqa: F401
 
 
 def _reap(pid: int) -> None:

@@ -56,8 +56,13 @@ def test_bitflip_recovers_in_place_with_no_step_lost(tmp_path, plain_reference):
                       "GROUP BY 1 ORDER BY 1") == [(0, STEPS, STEPS, 0, STEPS - 1), (1, STEPS, STEPS, 0, STEPS - 1)]
     assert query(rec, "SELECT count(*) FROM step WHERE NOT isfinite(grad_norm) OR NOT isfinite(loss)") == [(0,)]
     assert query(rec, "SELECT recovered FROM incident") == [(True,)]
-    # No checkpoint anywhere: the only state file of the job is its final save.
+    # No checkpoint anywhere: the only state file of the job is its final save,
+    # and the only model-state file any traced process opened (the recording's
+    # file_open) outside Watcher's own run directory is that save.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "w.pt", "w.pt.sha256"]
+    assert query(rec, f"SELECT path, writes, count(*) FROM file_open WHERE regexp_matches(path, "
+                      f"'[.](pt|pth|ckpt|safetensors|bin)$') AND path NOT LIKE '{run}/%' "
+                      f"AND path NOT LIKE '%/site-packages/%' GROUP BY ALL") == [(str(tmp_path / "w.pt"), True, 1)]
 
 
 @needs_bpf

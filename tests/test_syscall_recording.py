@@ -61,7 +61,7 @@ def test_meta_describes_the_recording(tmp_path, py):
     assert meta["schema_version"] == "1"
     assert meta["complete"] == "true"
     assert meta["mode"] == "record"
-    assert meta["probes"] == "syscall,futex,proc,signal,libtorch,libtorch_cuda,libcudart,libnccl"
+    assert meta["probes"] == "syscall,futex,proc,signal,file,libtorch,libtorch_cuda,libcudart,libnccl"
     assert int(meta["end_ts"]) > int(meta["start_ts"])
     assert meta["drops"] == "0"
     assert meta["target_cmdline"].endswith("-c pass")
@@ -115,3 +115,40 @@ def test_arguments_and_return_values_are_exact(tmp_path, py):
     assert query(out, "SELECT arg0, arg2, ret FROM syscall WHERE name = 'write' AND arg0 = 77") == [(77, 123, 123)]
     rows = query(out, "SELECT arg1, arg2, ret FROM syscall WHERE name = 'lseek' AND arg0 = 77 ORDER BY ts")
     assert rows == [(4242, 0, 4242), (2**64 - 1, 0, -22)]   # -1 as raw u64; -EINVAL
+
+
+FILE_OPENS = textwrap.dedent("""
+    import os, sys
+    d = sys.argv[1]
+    for i in range(7):
+        with open(os.path.join(d, f"ckpt{i}.pt"), "wb") as f:
+            f.write(b"x")
+    for _ in range(5):
+        with open(os.path.join(d, "ckpt0.pt"), "rb") as f:
+            f.read()
+    fd = os.open(os.path.join(d, "log.txt"), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    os.close(fd)
+    try:
+        open(os.path.join(d, "missing.bin"))
+    except FileNotFoundError:
+        pass
+""")
+
+
+def test_file_opens_are_recorded_with_path_flags_and_result(tmp_path, py):
+    out = tmp_path / "rec.duckdb"
+    d = tmp_path / "files"
+    d.mkdir()
+    assert record(out, py, "-c", FILE_OPENS, str(d)).returncode == 0
+    rows = query(out, f"SELECT replace(path, '{d}/', ''), writes, ret >= 0, count(*) FROM file_open "
+                      f"WHERE path LIKE '{d}/%' GROUP BY ALL ORDER BY ALL")
+    assert rows == [("ckpt0.pt", False, True, 5), ("ckpt0.pt", True, True, 1)] + \
+        [(f"ckpt{i}.pt", True, True, 1) for i in range(1, 7)] + \
+        [("log.txt", True, True, 1), ("missing.bin", False, False, 1)]
+    [(ret, flags)] = query(out, "SELECT ret, flags FROM file_open WHERE path LIKE '%missing.bin'")
+    assert ret == -2  # -ENOENT
+    [(flags,)] = query(out, "SELECT flags FROM file_open WHERE path LIKE '%log.txt'")
+    assert flags & 0o3 == 0o2 and flags & 0o100 and flags & 0o2000  # O_RDWR | O_CREAT | O_APPEND
+    # Every open is also a row of `syscall`, as every other call.
+    assert query(out, "SELECT count(*) FROM syscall WHERE name = 'openat'") == \
+        query(out, "SELECT count(*) FROM file_open WHERE syscall = 'openat'")

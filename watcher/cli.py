@@ -24,7 +24,7 @@ app = typer.Typer(
          "recordings you query with SQL.",
 )
 
-PROBES_HELP = ("Comma-separated probe set: syscall,futex,proc,signal (eBPF tracepoints) and "
+PROBES_HELP = ("Comma-separated probe set: syscall,futex,proc,signal,file (eBPF tracepoints) and "
                "libtorch,libtorch_cuda,libcudart,libnccl (uprobes from uprobes/*.toml). Default: all.")
 OPS_HELP = ("Also probe PyTorch operators at::_ops::<op>::call whose op name matches this regex "
             "(opt-in: ~1.5-3 us a hit), e.g. 'mm|addmm|softmax'.")

@@ -215,6 +215,9 @@ class Collector:
                 self.library_calls.write(ap, m.utids(ap["pid"], ap["tid"]), m.upids(ap["pid"]))
             if final and self.library_calls is not None:
                 self._write_calls_in_progress()
+            fo = batch["file"]
+            if fo is not None:
+                w.append_file_opens(fo, m.utids(fo["pid"], fo["tid"]), m.upids(fo["pid"]))
             sg = batch["signal"]
             if sg is not None:
                 known = np.isin(sg["pid"], np.fromiter(m.pid_to_upid, dtype=np.int64))
@@ -339,7 +342,7 @@ class Collector:
 
 
 # Event tables pruned (oldest first) by --max-size and --ring-minutes.
-PRUNABLE = ("syscall", "futex", "signal", "api_call", "collective")
+PRUNABLE = ("syscall", "futex", "signal", "api_call", "collective", "file_open")
 
 
 def _cpu_s() -> float:

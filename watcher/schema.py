@@ -131,6 +131,17 @@ TABLES: tuple[Table, ...] = (
         C("code", "INTEGER", "si_code (0 SI_USER from kill, -6 SI_TKILL, positive from the kernel)."),
         C("result", "INTEGER", "Generate: 0 delivered, 1 ignored, 2 already pending, 3 overflow, 4 lose info."),
     )),
+    Table("file_open", "Every open(2)-family call (open, openat, openat2, creat) with its path: which files the job read and wrote.", (
+        C("ts", TS, "Time the call entered."),
+        C("dur", "BIGINT", "Time in the call, ns."),
+        C("utid", "INTEGER", "Calling thread.", True),
+        C("upid", "INTEGER", "Its process.", True),
+        C("path", "VARCHAR", "The path as passed (a relative path stays relative), at most 111 bytes."),
+        C("flags", "INTEGER", "O_* flags (octal 1 O_WRONLY, 2 O_RDWR, 100 O_CREAT, 1000 O_TRUNC, 2000000 O_CLOEXEC)."),
+        C("writes", "BOOLEAN", "Opened for writing (O_WRONLY or O_RDWR) or to create."),
+        C("ret", "BIGINT", "The new descriptor, or -errno."),
+        C("syscall", "VARCHAR", "open, openat, openat2 or creat."),
+    )),
     Table("api_call", "One library call caught by a uprobe (libtorch, libcudart, libnccl), entry to return.", (
         C("api_call_id", "BIGINT", "Row id, unique within the recording."),
         C("ts", TS, "Entry time."),

@@ -159,6 +159,20 @@ class RecordingWriter:
                      "CASE WHEN b.kind = 1 THEN b.result ELSE NULL END "
                      "FROM _batch b LEFT JOIN _signal_name s USING (signo)")
 
+    def append_file_opens(self, ev: np.ndarray, utid, upid) -> None:
+        if len(ev) == 0:
+            return
+        batch = {"ts": ev["ts"].astype(np.int64), "dur": ev["dur"].astype(np.int64), "utid": utid, "upid": upid,
+                 "path": np.array([p.decode("utf-8", "replace") for p in ev["path"]], dtype=object),
+                 "flags": ev["flags"].astype(np.int32), "ret": ev["ret"].astype(np.int64),
+                 "nr": ev["nr"].astype(np.int32)}
+        # O_ACCMODE is 3; O_CREAT 0o100.
+        self._insert("file_open", batch,
+                     "SELECT b.ts, b.dur, b.utid, b.upid, b.path, b.flags, "
+                     "(b.flags & 3) != 0 OR (b.flags & 64) != 0, b.ret, "
+                     "CASE b.nr WHEN 2 THEN 'open' WHEN 257 THEN 'openat' WHEN 437 THEN 'openat2' "
+                     "ELSE 'creat' END FROM _batch b")
+
     def append_rows(self, table: str, rows: list[tuple]) -> None:
         """Append low-rate rows given as tuples in schema column order."""
         if not rows:

@@ -451,8 +451,6 @@ class RankRuntime:
         issued again on a rebuilt transport (relink.py).  A collective that a
         member has not reached is left to the hang detector: a slow or stuck
         rank is not cured by a new connection."""
-        from . import transport
-
         limit = self.detectors.collective_timeout
         now = time.monotonic_ns()
         for meta, group in list(self.waiting.values()):
