@@ -268,13 +268,25 @@ def read_colls(run_dir: Path, rank: int) -> dict[tuple, dict]:
     return _read_jsonl(run_dir / "runtime" / f"rank{rank}.colls.jsonl", lambda c: (c["group"], c["seq"]))
 
 
+def held_by_all(arrivals: list[dict]) -> set[int]:
+    """Snapshot steps every rank still holds (from their arrive files)."""
+    common = set(arrivals[0]["snapshots"])
+    for a in arrivals[1:]:
+        common &= set(a["snapshots"])
+    return common
+
+
+def verified(steps: list[dict], step: int) -> bool:
+    """Every rank recorded the same parameter checksum at `step`."""
+    sums = {s.get(step, {}).get("param_sum") for s in steps}
+    return len(sums) == 1 and None not in sums
+
+
 def make_plan(rt, info: dict, inc_dir: Path) -> dict:
     world, k = rt.world, info["failing_step"]
     arrivals = [read_json(inc_dir / f"arrive.rank{r}.json") for r in range(world)]
     steps = [read_steps(rt.run_dir, r) for r in range(world)]
-    common = set(arrivals[0]["snapshots"])
-    for a in arrivals[1:]:
-        common &= set(a["snapshots"])
+    common = held_by_all(arrivals)
     v, why = None, "no snapshot before the failing step is held by every rank"
     refused = [a["unsupported"] for a in arrivals if a.get("unsupported")]
     if refused:
@@ -282,8 +294,7 @@ def make_plan(rt, info: dict, inc_dir: Path) -> dict:
     # A failure replays the shortest window (newest snapshot); a replay check the longest.
     newest_first = info["kind"] != "replay_check"
     for cand in sorted((s for s in common if s < k), reverse=newest_first):
-        sums = {steps[r].get(cand, {}).get("param_sum") for r in range(world)}
-        if len(sums) == 1 and None not in sums:
+        if verified(steps, cand):
             v = cand
             break
         why = f"snapshot {cand} is not verified: ranks disagree on the parameters"

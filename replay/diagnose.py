@@ -124,20 +124,12 @@ def _say(rt, msg: str) -> None:
 def plan_trace(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
     """Round 0: from the oldest verified snapshot every rank holds, so the
     window reaches back before a cause that came a few steps early."""
-    from .coordinator import read_steps
+    from .coordinator import held_by_all, read_steps, verified
 
     arrivals = [read_json(inc_dir / f"arrive.rank{r}.json") for r in range(rt.world)]
-    common = set(arrivals[0]["snapshots"])
-    for a in arrivals[1:]:
-        common &= set(a["snapshots"])
     steps = [read_steps(rt.run_dir, r) for r in range(rt.world)]
     k = info["failing_step"]
-    v = None
-    for cand in sorted(s for s in common if s < k):
-        sums = {steps[r].get(cand, {}).get("param_sum") for r in range(rt.world)}
-        if len(sums) == 1 and None not in sums:
-            v = cand
-            break
+    v = next((s for s in sorted(held_by_all(arrivals)) if s < k and verified(steps, s)), None)
     _say(rt, f"diagnosing {info['incident_id']}: counterfactual replays of steps {v}..{plan['to_step']}"
          if v is not None else f"diagnosing {info['incident_id']}: no verified snapshot to replay from")
     return {"from_step": v, "to_step": plan["to_step"],
@@ -269,7 +261,9 @@ def _attribute(rt, info, plan, outcomes, trace, origin, anomalies, variants):
     if bad and ({"drop_rows", "swap_batch"} & ok):
         used = "drop_rows" if "drop_rows" in ok else "swap_batch"
         batches = [{"rank": r, "step": k, "batch_index": trace[r].get("batch_index"),
-                    "samples": sorted({x["sample"] for x in a})} for r, a in bad.items()]
+                    "samples": sorted({x["sample"] for x in a}),
+                    "digests": [str(d) for _, d in sorted((trace[r].get("sample_digests") or {}).items())]}
+                   for r, a in bad.items()]
         ev = "; ".join(x["evidence"] for a in bad.values() for x in a[:3])
         root = {"kind": "batch", "step": k, "rank": min(bad), "module": None, "op": None, "collective": None,
                 "batch_index": batches[0]["batch_index"], "samples": batches[0]["samples"],
@@ -431,6 +425,10 @@ def apply_effects(rt, info: dict) -> None:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_([q for g in o.param_groups for q in g["params"]], clip)
         register_optimizer_step_pre_hook(adjusted)
+    elif p.get("action") == "skip_batch":
+        # The samples stay skipped wherever they come back (a later epoch, another rank).
+        rt.skip_digests |= {int(d) for b in p["batches"] for d in b.get("digests") or []}
+        rt.skip_reason = info["incident_id"]
     elif p.get("action") == "quarantine_device" and p["device"]["rank"] == rt.rank:
         os.sched_setaffinity(0, p["move_to"]["cpus"])
         quarantine(rt.run_dir, p["device"], info["incident_id"])

@@ -77,8 +77,11 @@ def batch(rt, state, variant: dict, idx: int, b):
     step, window = rt.step + 1, state.window.batches
     trace = variant.get("trace")
     if trace and step == int(trace["failing_step"]):
-        state.extra["batch_anomalies"] = anomalies(b, embedding_sizes(rt))
+        found = anomalies(b, embedding_sizes(rt))
+        state.extra["batch_anomalies"] = found
         state.extra["batch_index"] = idx
+        bad = {a["sample"] for a in found}
+        state.extra["sample_digests"] = {i: d for i, d in enumerate(row_digests(b)) if i in bad}
     swap = variant.get("swap_batch")
     if swap and step == swap["step"] and rt.rank in swap["ranks"]:
         other = idx - 1 if (idx - 1) in window else idx + 1
@@ -90,9 +93,7 @@ def batch(rt, state, variant: dict, idx: int, b):
     drop = variant.get("drop_rows")
     rows = (drop or {}).get("rows", {}).get(str(rt.rank)) if drop and step == drop["step"] else None
     if rows:
-        n = batch_size(b)
-        keep = torch.tensor([i for i in range(n) if i not in set(rows)], dtype=torch.long)
-        b = _map(b, lambda t: t.index_select(0, keep) if t.dim() and t.shape[0] == n else t)
+        b = without_rows(b, rows)
         state.extra["dropped"] = {"step": step, "batch_index": idx, "rows": rows}
     return b
 
@@ -148,6 +149,31 @@ def _fields(b, prefix=""):
     elif isinstance(b, dict):
         for k, x in b.items():
             yield from _fields(x, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+
+
+def row_digests(b) -> list[int]:
+    """One digest per sample (row along dim 0 of every field of the batch's
+    size), over the raw bits: the same sample met again, in another epoch or
+    on another rank, has the same digest."""
+    n = batch_size(b)
+    out = [0] * n
+    for _, t in _fields(b):
+        if not t.dim() or t.shape[0] != n or t.numel() == 0:
+            continue
+        rows = t.detach().reshape(n, -1).contiguous()
+        if rows.dtype == torch.bool:
+            rows = rows.view(torch.uint8)
+        words = rows.view(torch.int32) if rows.element_size() in (4, 8) else rows.view(torch.uint8).to(torch.int32)
+        sums = words.to(torch.int64).sum(dim=1).tolist()
+        out = [(d * 1000003 + s * 31 + words.shape[1]) & ((1 << 63) - 1) for d, s in zip(out, sums)]
+    return out
+
+
+def without_rows(b, rows):
+    """The batch with those samples removed."""
+    n = batch_size(b)
+    keep = torch.tensor([i for i in range(n) if i not in set(rows)], dtype=torch.long)
+    return _map(b, lambda t: t.index_select(0, keep) if t.dim() and t.shape[0] == n else t)
 
 
 def batch_size(b) -> int:

@@ -328,3 +328,35 @@ def test_a_retained_snapshot_ends_at_its_deadline_or_on_an_exit_order(tmp_path):
     assert _wait_exit(snap.pid, 0.3) is None
     write_json(orders / "1-exit.json", {"op": "exit"})
     assert _wait_exit(snap.pid, 3.0) == 0
+
+
+@needs_bpf
+def test_skipped_samples_stay_skipped_in_later_epochs(tmp_path):
+    """The corrupt sample is in the dataset itself: drawn at step 12 on rank 1,
+    and again in the second epoch (128 steps a rank), wherever the shuffle puts
+    it.  Under --policy apply the first meeting is diagnosed and its samples
+    skipped; the second is filtered out as it arrives, with no new incident."""
+    code = ("import json, sys; from pathlib import Path; from watcher.run import RunConfig, run; "
+            "from watcher.demo import reference_command; a = json.loads(sys.argv[1]); "
+            "r = run(RunConfig(cmd=reference_command(260), out=Path(a['out']), policy='apply', snapshot_interval=4, "
+            "inject={'scenario': 'bad_sample', 'rank': 1, 'step': 12, 'sample': 5}, retain_s=0, quiet=True)); "
+            "sys.exit(r.exit_code)")
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", code, json.dumps({"out": str(run)})], capture_output=True, text=True,
+                       timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    incidents = sorted((run / "incidents").glob("inc-*.json"))
+    assert [i.name for i in incidents] == ["inc-0001.json"]  # met again, never failed again
+    inc = json.loads(incidents[0].read_text())
+    pre = inc["prescription"]
+    assert (inc["attribution"]["cause"], pre["action"], pre["applied"]) == ("data", "skip_batch", True)
+    assert pre["batches"][0]["samples"] == [5] and len(pre["batches"][0]["digests"]) == 1
+    skipped = [json.loads(line) for r in (0, 1) if (run / "runtime" / f"rank{r}.skipped.jsonl").exists()
+               for line in (run / "runtime" / f"rank{r}.skipped.jsonl").read_text().splitlines()]
+    # Once in the second epoch (steps 128-255; the third starts at 256), never in the first.
+    assert len([s for s in skipped if 128 <= s["step"] < 256]) == 1 and min(s["step"] for s in skipped) >= 128, skipped
+    assert all(len(s["rows"]) == 1 and s["digests"] == pre["batches"][0]["digests"]
+               and s["incident_id"] == "inc-0001" for s in skipped)
+    rec = run / "recording.duckdb"
+    losses = query(rec, "SELECT rank, count(*), count(*) FILTER (WHERE isfinite(loss)) FROM step GROUP BY 1 ORDER BY 1")
+    assert losses == [(0, 260, 260), (1, 260, 260)]

@@ -14,6 +14,9 @@ Scenarios (all take "rank" and "step"):
   lr_spike          multiply the learning rate by `factor` at `step` (persistent, params)
   bad_batch         the batch of `step` arrives with NaN loss weights in sample `sample` (default 5): corrupt
                     data; recorded as it arrived, so a replay meets it again (persistent, data)
+  bad_sample        the sample in row `sample` (default 5) of the batch of `step` is corrupt in the dataset
+                    itself: its loss weights are NaN whenever it is drawn again, in any epoch, on any rank
+                    (the ids of the sample are the key, shared through a file) (persistent, data)
   bad_op            from `step` on, every rank divides each GELU's output by a scale that has become 0 (a
                     logic bug in an op, from finite inputs, whatever the batch) (persistent, software)
   fp32_overflow     from `step` on, every rank's GELU output x goes through x * exp(c x) / exp(c x), c =
@@ -42,8 +45,8 @@ import time
 
 import torch
 
-SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch", "bad_op",
-             "fp32_overflow", "bad_cores", "segv", "merge_bitflip")
+SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch",
+             "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "merge_bitflip")
 
 
 def _flip_top_exponent_bit(t: torch.Tensor) -> None:
@@ -166,6 +169,27 @@ def _arm_one(rt, f: dict) -> None:
             # batch as it arrived, so replays are served the NaN from there.
             if rt_.step + 1 == step and isinstance(batch, (list, tuple)) and len(batch) > 2 and once():
                 batch[2][sample] = float("nan")
+            return batch
+        rt.fault_hooks.append(("batch", batch_hook))
+    elif kind == "bad_sample":
+        sample = int(f.get("sample", 5))
+        key_file = rt.dir / "drill.bad_sample.pt"
+        known = {"key": None}
+
+        def batch_hook(rt_, batch):
+            # Live only: the replays are served the corrupt sample from the record.
+            if rt_.mode != "live" or not isinstance(batch, (list, tuple)) or len(batch) < 3:
+                return batch
+            if known["key"] is None:
+                if mine() and rt_.step + 1 == step:
+                    known["key"] = batch[0][sample].clone()
+                    torch.save(known["key"], key_file)
+                elif key_file.exists():
+                    known["key"] = torch.load(key_file)
+                else:
+                    return batch
+            for i in (batch[0] == known["key"]).all(dim=1).nonzero().flatten().tolist():
+                batch[2][i] = float("nan")
             return batch
         rt.fault_hooks.append(("batch", batch_hook))
     elif kind == "bad_op":

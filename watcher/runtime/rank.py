@@ -78,6 +78,8 @@ class RankRuntime:
         self.unsupported = None       # why this rank cannot be replayed, if it cannot
         self.in_flight = 0            # collectives issued and not completed
         self.waiting: dict = {}       # (group, seq) -> (meta, group) of those with a completion callback
+        self.skip_digests: set = set()  # samples a skip_batch prescription keeps out (replay/diagnose.py)
+        self.skip_reason = None
         self.exiting = False
         self.resnapshot = False
         self.abnormal_exit = False    # an uncaught exception is ending the process
@@ -182,12 +184,32 @@ class RankRuntime:
             for stage, fn in self.fault_hooks:
                 if stage == "batch":
                     batch = fn(self, batch)
+            if self.skip_digests and self.mode == "live":
+                batch = self._skip_known_bad(batch)
             self.batch_sums.append(object_sum(batch))
             if self.mode == "live":
                 self.seg.put(("batch", idx, batch), copy=True)  # the user may modify it in place
         except Exception as e:
             self.fail(e)
         return batch
+
+    def _skip_known_bad(self, batch):
+        """Remove the samples an applied skip_batch prescription named, as
+        they arrive (before the window records the batch, so a replay trains
+        on what the live rank did).  A batch made only of them is kept
+        whole: every rank must still take the same number of steps."""
+        from ..replay.variants import row_digests, without_rows
+
+        digests = row_digests(batch)
+        rows = [i for i, d in enumerate(digests) if d in self.skip_digests]
+        if not rows or len(rows) == len(digests):
+            return batch
+        with open(self.dir / f"rank{self.rank}.skipped.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.step + 1, "rank": self.rank, "rows": rows,
+                                "digests": [str(digests[i]) for i in rows], "incident_id": self.skip_reason}) + "\n")
+        print(f"watcher: rank {self.rank} step {self.step + 1}: skipped sample(s) {rows} "
+              f"(prescribed by {self.skip_reason})", file=sys.stderr, flush=True)
+        return without_rows(batch, rows)
 
     def before_collective(self, meta: dict) -> None:
         self.activate()
