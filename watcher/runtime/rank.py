@@ -542,7 +542,6 @@ class RankRuntime:
                 except OSError:
                     pass
 
-
     def _hand_off(self, snap) -> bool:
         """Keep a persistent incident's snapshot after this rank exits, for
         `watcher diagnose`, for at most `watcher run --retain` seconds.  Its
