@@ -119,7 +119,7 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
                 snap.incident_id = info["incident_id"]
                 rt.snapshots.remove(snap)
                 # One retained snapshot at a time: each is a copy-on-write image of the rank.
-                for old in getattr(rt, "retained", []):
+                for old in rt.retained:
                     old.release()
                 rt.retained = [snap]
     if rt.policy != "observe" and info["kind"] != "replay_check" and not final and not recovered:
@@ -268,6 +268,11 @@ def read_colls(run_dir: Path, rank: int) -> dict[tuple, dict]:
     return _read_jsonl(run_dir / "runtime" / f"rank{rank}.colls.jsonl", lambda c: (c["group"], c["seq"]))
 
 
+def window_seconds(steps: dict, from_step: int, to_step: int) -> float:
+    """How long steps from_step+1..to_step took live, from one rank's steps log."""
+    return sum((steps.get(s, {}).get("dur") or 0) for s in range(from_step + 1, to_step + 1)) / 1e9
+
+
 def held_by_all(arrivals: list[dict]) -> set[int]:
     """Snapshot steps every rank still holds (from their arrive files)."""
     common = set(arrivals[0]["snapshots"])
@@ -304,7 +309,7 @@ def make_plan(rt, info: dict, inc_dir: Path) -> dict:
     plan = {"failing_step": k, "from_step": v, "to_step": max(k, halt), "reason": None if v is not None else why}
     if v is None:
         return plan
-    window_s = sum((steps[0].get(s, {}).get("dur") or 0) for s in range(v + 1, plan["to_step"] + 1)) / 1e9
+    window_s = window_seconds(steps[0], v, plan["to_step"])
     plan["replay_timeout_s"] = max(60.0, 20 * window_s)
     plan["window_wall_s"] = round(window_s, 3)
     return plan

@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 from ..errors import RecordingError, UsageError
-from ..runtime.control import read_json, write_json
+from ..runtime.control import process_state, read_json, write_json
 
-from .coordinator import DIAGNOSED
+from .coordinator import DIAGNOSED, read_steps, window_seconds
 from .diagnose import conclude, plan_counterfactuals
+from .snapshot import replay_order
 
 # What a prescription says beyond the decision itself: where its reproducer
 # was written and whether the run applied it.
@@ -54,7 +55,7 @@ class OfflineRun:
 def retained(run_dir: Path) -> list[dict]:
     """The retained snapshots, by rank, each with "alive"."""
     found = []
-    for p in sorted((run_dir / "retained").glob("rank*.json")):
+    for p in (run_dir / "retained").glob("rank*.json"):
         try:
             r = read_json(p)
         except (OSError, ValueError):
@@ -66,12 +67,8 @@ def retained(run_dir: Path) -> list[dict]:
 
 def _alive(r: dict) -> bool:
     """The very process that was retained (pid and start time), not a zombie."""
-    try:
-        with open(f"/proc/{r['pid']}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, KeyError, IndexError):
-        return False
-    return fields[0] != "Z" and int(fields[19]) == r.get("start_ticks")
+    got = process_state(r["pid"])
+    return got is not None and got[0] != "Z" and got[1] == r.get("start_ticks")
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -115,7 +112,7 @@ def rediagnose(run_dir: Path, incident_id: str | None = None, say=lambda msg: No
     to_step = (inc.get("diagnosis") or {}).get("to_step") or inc["window"]["to_step"]
     info = {"incident_id": iid, "failing_step": k, "rank": inc["detected_rank"], "kind": inc["kind"],
             "detected_ts": inc.get("detected_ts")}
-    window_s = _window_seconds(run_dir, snaps[0]["step"], to_step)
+    window_s = window_seconds(read_steps(run_dir, 0), snaps[0]["step"], to_step)
     plan = {"failing_step": k, "from_step": snaps[0]["step"], "to_step": to_step,
             "replay_timeout_s": max(60.0, 20 * window_s)}
     n = 1 + len(list((run_dir / "incidents" / iid).glob("rediagnosis-*")))
@@ -164,13 +161,6 @@ def _plain(x):
     return json.loads(json.dumps(x, default=str))
 
 
-def _window_seconds(run_dir: Path, from_step: int, to_step: int) -> float:
-    from .coordinator import read_steps
-
-    steps = read_steps(run_dir, 0)
-    return sum((steps.get(s, {}).get("dur") or 0) for s in range(from_step + 1, to_step + 1)) / 1e9
-
-
 def _replay_everywhere(snaps: list[dict], var: dict, plan: dict, out: Path, say) -> list[dict]:
     """One variant, replayed by every rank's snapshot at once; their results."""
     name = var["name"]
@@ -182,10 +172,8 @@ def _replay_everywhere(snaps: list[dict], var: dict, plan: dict, out: Path, say)
     run_dir = out.parent.parent.parent
     for s in snaps:
         r = s["rank"]
-        order = {"op": "replay", "to_step": plan["to_step"], "variant": var,
-                 "result": str(vdir / f"rank{r}.result.pt"), "log": str(vdir / f"rank{r}.replay.log"),
-                 "sandbox_log": str(vdir / f"rank{r}.sandbox.jsonl"), "reply": str(vdir / f"rank{r}.reply.json"),
-                 "exchange": str(exchange), "exchange_timeout_s": plan["replay_timeout_s"]}
+        order = replay_order(r, plan["to_step"], vdir, exchange, plan["replay_timeout_s"], var,
+                             reply=vdir / f"rank{r}.reply.json")
         write_json(run_dir / "retained" / "orders" / f"rank{r}" / f"{time.time_ns()}-{name}.json", order)
     deadline = time.monotonic() + plan["replay_timeout_s"] + 30
     replies = [vdir / f"rank{s['rank']}.reply.json" for s in snaps]

@@ -137,12 +137,7 @@ class ForkSnapshot:
         replayed inputs of all ranks instead of answered from the record.
         `variant` makes it a counterfactual replay (variants.py)."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        order = {"op": "replay", "to_step": to_step,
-                 "result": str(out_dir / f"rank{self.rank}.result.pt"),
-                 "log": str(out_dir / f"rank{self.rank}.replay.log"),
-                 "sandbox_log": str(out_dir / f"rank{self.rank}.sandbox.jsonl"),
-                 "exchange": str(exchange) if exchange else None, "exchange_timeout_s": timeout,
-                 "variant": variant}
+        order = replay_order(self.rank, to_step, out_dir, exchange, timeout, variant)
         t0 = time.monotonic()
         os.write(self.cmd_w, (json.dumps(order) + "\n").encode())
         reply = _read_reply(self.resp_r, timeout)
@@ -193,6 +188,18 @@ class ForkSnapshot:
             except OSError:
                 pass
         threading.Thread(target=_reap, args=(self.pid,), daemon=True).start()
+
+
+def replay_order(rank: int, to_step: int, out_dir: Path, exchange: Path | None = None, timeout: float = 300.0,
+                 variant: dict | None = None, reply: Path | None = None) -> dict:
+    """The order a snapshot replays by: where the rank's result, log and
+    sandbox log go, the exchange directory of a coordinated replay, and
+    `reply` (a file the snapshot writes its exit status to) for an orphan."""
+    return {"op": "replay", "to_step": to_step,
+            "result": str(out_dir / f"rank{rank}.result.pt"), "log": str(out_dir / f"rank{rank}.replay.log"),
+            "sandbox_log": str(out_dir / f"rank{rank}.sandbox.jsonl"),
+            "exchange": str(exchange) if exchange else None, "exchange_timeout_s": timeout, "variant": variant,
+            "reply": str(reply) if reply else None}
 
 
 def _preload() -> None:

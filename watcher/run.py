@@ -290,14 +290,13 @@ def _crash_replay(out: Path, rank: int, world: int, snap_step: int, to_step: int
     """Replay every rank from its snapshot at `snap_step` to the crash step,
     coordinated (the crashed rank's collectives need its peers' inputs); the
     snapshots are orphans by now, waiting a little for these orders."""
+    from .replay.snapshot import replay_order
+
     reply_path = inc_dir / f"rank{rank}.crash_replay.json"
     exchange = inc_dir / "exchange"
     exchange.mkdir(exist_ok=True)
     for r in range(world):
-        order = {"op": "replay", "to_step": to_step, "exchange": str(exchange), "exchange_timeout_s": 60,
-                 "result": str(inc_dir / f"rank{r}.result.pt"), "log": str(inc_dir / f"rank{r}.replay.log"),
-                 "sandbox_log": str(inc_dir / f"rank{r}.sandbox.jsonl"),
-                 "reply": str(inc_dir / f"rank{r}.crash_replay.json")}
+        order = replay_order(r, to_step, inc_dir, exchange, 60, reply=inc_dir / f"rank{r}.crash_replay.json")
         write_json(out / "runtime" / f"crash_replay.rank{r}.step{snap_step}.json", order)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and not reply_path.exists():

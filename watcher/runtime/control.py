@@ -39,6 +39,17 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) from /proc/PID/stat; a pid
+    plus its start time names one process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def read_json(path: Path):
     with open(path) as f:
         return json.load(f)

@@ -55,10 +55,31 @@ def _flip_top_exponent_bit(t: torch.Tensor) -> None:
         flat.view(torch.int32)[0] ^= 1 << 30
 
 
+def _peer_connections():
+    """(fd, socket) for every connected TCP socket of this process except the
+    c10d store's: gloo's pairs, which the network faults below act on."""
+    import socket
+
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.fromfd(int(name), socket.AF_INET, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6) \
+                    and store_port not in (s.getpeername()[1], s.getsockname()[1]):
+                yield int(name), s
+        except OSError:
+            pass  # not connected (a listener), or not a socket
+        finally:
+            s.close()
+
+
 def _blackhole_connections() -> None:
-    """Attach a drop-everything socket filter (classic BPF, `ret #0`) to every
-    TCP connection of this process except the c10d store's: TCP never sees
-    the peer's data or ACKs again, so nothing fails, everything waits."""
+    """Attach a drop-everything socket filter (classic BPF, `ret #0`) to each
+    of gloo's connections: TCP never sees the peer's data or ACKs again, so
+    nothing fails, everything waits."""
     import ctypes
     import socket
 
@@ -72,43 +93,20 @@ def _blackhole_connections() -> None:
     drop = (SockFilter * 1)(SockFilter(0x06, 0, 0, 0))  # BPF_RET | BPF_K, accept 0 bytes
     prog = SockFprog(1, drop)
     libc = ctypes.CDLL(None, use_errno=True)
-    store_port = int(os.environ.get("MASTER_PORT", "0"))
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            s = socket.fromfd(int(name), socket.AF_INET, socket.SOCK_STREAM)
-        except OSError:
-            continue
-        try:
-            if s.type != socket.SOCK_STREAM or store_port in (s.getsockname()[1], s.getpeername()[1]):
-                continue
-            libc.setsockopt(int(name), socket.SOL_SOCKET, 26, ctypes.byref(prog), ctypes.sizeof(prog))  # SO_ATTACH_FILTER
-        except (OSError, IndexError, TypeError):
-            pass
-        finally:
-            s.close()
+    for fd, _ in _peer_connections():
+        libc.setsockopt(fd, socket.SOL_SOCKET, 26, ctypes.byref(prog), ctypes.sizeof(prog))  # SO_ATTACH_FILTER
 
 
 def _reset_connections() -> None:
-    """Shut down every TCP connection of this process except the c10d store's
-    (so gloo's pairs break, as on a network reset, and the store still works)."""
+    """Shut down each of gloo's connections (so its pairs break, as on a
+    network reset, and the store still works)."""
     import socket
 
-    store_port = int(os.environ.get("MASTER_PORT", "0"))
-    for name in os.listdir("/proc/self/fd"):
+    for _, s in _peer_connections():
         try:
-            s = socket.fromfd(int(name), socket.AF_INET, socket.SOCK_STREAM)
+            s.shutdown(socket.SHUT_RDWR)
         except OSError:
-            continue
-        try:
-            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            peer, local = s.getpeername(), s.getsockname()
-            if store_port not in (peer[1], local[1]):
-                s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # not connected, or not a socket
-        finally:
-            s.close()
+            pass
 
 
 def arm(rt) -> None:

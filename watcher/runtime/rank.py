@@ -32,7 +32,7 @@ from torch.distributed import distributed_c10d as c10d
 from . import collectives, relink, transport
 from .collectives import COMPUTED_IN_REPLAY
 from .checksum import ParamChecksum, object_sum, rng_digest, tensors_sum
-from .control import Control, read_json, write_json
+from .control import Control, process_state, read_json, write_json
 from .window import END_OF_DATA, SegmentWriter
 
 RUNTIME: "RankRuntime | None" = None
@@ -69,6 +69,7 @@ class RankRuntime:
         self.done_colls: list = []    # completed this step (meta with out_sum)
         self.pending: list = []       # (meta, outs, work) with no completion callback
         self.snapshots: list = []
+        self.retained: list = []      # a persistent incident's snapshot, kept out of rotation for diagnosis
         self.last_end_ns = None
         self.step_ns: list[int] = []
         self.handled_seq = 0
@@ -526,7 +527,7 @@ class RankRuntime:
                 self.flush_logs()
             except (OSError, ValueError):
                 pass
-        for s in getattr(self, "retained", []):
+        for s in self.retained:
             if not self._hand_off(s):
                 s.release()
         self.retained = []
@@ -568,23 +569,13 @@ class RankRuntime:
                 return False
             write_json(top / f"rank{self.rank}.json",
                        {"rank": self.rank, "world": self.world, "pid": snap.pid, "step": snap.step,
-                        "start_ticks": _start_ticks(snap.pid), "until": until, "incident_id": snap.incident_id,
+                        "start_ticks": (process_state(snap.pid) or (None, None))[1], "until": until, "incident_id": snap.incident_id,
                         "detect": os.environ.get("WATCHER_DETECT"), "replicated": self.replicated,
                         "policy": self.policy})
             return True
         except Exception as e:  # retention is a convenience; the run's end must not fail on it
             print(f"watcher: rank {self.rank}: cannot retain snapshot {snap.step}: {e}", file=sys.stderr)
             return False
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time (/proc/PID/stat field 22): a pid plus this
-    names one process, even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _private_mb(pid: int) -> float | None:
