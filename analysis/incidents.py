@@ -42,11 +42,13 @@ def _rank_processes(recs) -> dict[int, dict]:
 
 def _state(recs, rank: int, proc: dict, n_calls: int = 5) -> RankState:
     upid = proc["upid"]
-    last = _rows(recs, f"SELECT group_index, seq, op, tensor_count, numel, dtype, state, ts FROM collective "
-                       f"WHERE upid = {upid} ORDER BY ts DESC LIMIT 1")
+    last = _rows(recs, f"SELECT c.group_index, c.seq, c.op, c.tensor_count, c.numel, c.dtype, c.state, c.ts, "
+                       f"a.py_site FROM collective c LEFT JOIN api_call a "
+                       f"ON a.api_call_id = c.api_call_id AND a.upid = c.upid "
+                       f"WHERE c.upid = {upid} ORDER BY c.ts DESC LIMIT 1")
     blocked = _rows(recs, f"SELECT tid, thread_name, syscall, blocked_ns, arg0 FROM blocked_thread "
                           f"WHERE upid = {upid} ORDER BY blocked_ns DESC LIMIT 4")
-    calls = _rows(recs, f"SELECT ts, dur, probe, symbol, ret_name, detail FROM api_call "
+    calls = _rows(recs, f"SELECT ts, dur, probe, symbol, ret_name, detail, py_site FROM api_call "
                         f"WHERE upid = {upid} ORDER BY ts DESC LIMIT {n_calls}")
     sys_ = _rows(recs, f"SELECT s.ts, s.name, s.ret, t.name AS thread FROM syscall s JOIN thread t USING (utid) "
                        f"WHERE s.upid = {upid} AND t.is_main_thread ORDER BY s.ts DESC LIMIT {n_calls}")
@@ -115,11 +117,16 @@ def analyze_crash(recs) -> dict:
     how = f"signal {p['exit_signal']}" if p["exit_signal"] is not None else f"exit code {p['exit_code']}"
     last = states[first]["last_collective"]
     verdict = f"rank {first} (pid {p['pid']}) died first, by {how}" + (
-        f", after collective #{last['seq']} ({last['op']})" if last else "")
+        f", after collective #{last['seq']} ({last['op']}{_at(last)})" if last else "")
     return {"kind": "crash", "verdict": verdict, "first_dead_rank": first,
             "crashed": {r: {"pid": q["pid"], "exit_code": q["exit_code"], "exit_signal": q["exit_signal"]}
                         for r, q in dead.items()},
             "ranks": states}
+
+
+def _at(call: dict) -> str:
+    """ ` issued at FILE:LINE FUNCTION`, the user's line that made the call, when recorded."""
+    return f" issued at {call['py_site']}" if call.get("py_site") else ""
 
 
 def render_text(report: dict) -> str:
@@ -131,12 +138,12 @@ def render_text(report: dict) -> str:
         lines.append(f"rank {r} (pid {s['pid']}, {status}){mark}")
         c = s["last_collective"]
         lines.append(f"  last collective: " + (f"#{c['seq']} {c['op']} group {c['group_index']} ({c['state']})"
-                                                if c else "none"))
+                                                f"{_at(c)}" if c else "none"))
         for b in s["blocked_in"][:2]:
             lines.append(f"  blocked in {b['syscall']} for {b['blocked_ns'] / 1e9:.2f} s "
                          f"(thread {b['thread_name']} tid {b['tid']})")
         for a in s["last_api_calls"][:3]:
-            lines.append(f"  recent call: {a['symbol']} {a['detail'] or ''}".rstrip())
+            lines.append(f"  recent call: {a['symbol']} {a['detail'] or ''}".rstrip() + _at(a))
         if not s["alive"]:
             last = ", ".join(f"{x['name']}={x['ret']}" for x in s["last_syscalls"][:5])
             lines.append(f"  last syscalls of the main thread (newest first): {last or 'none'}")

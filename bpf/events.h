@@ -30,7 +30,8 @@ typedef int64_t s64;
 #define RING_SIGNAL 3
 #define RING_API 4
 #define RING_FILE 5
-#define RING_COUNT 6
+#define RING_PYSTACK 6
+#define RING_COUNT 7
 
 /* One completed syscall (enter and exit joined in the kernel). */
 struct syscall_event {
@@ -125,6 +126,23 @@ struct api_event {
     u64 args[6];     /* integer argument registers at entry */
     u64 deref[2];    /* 16 bytes read from the pointer argument the spec names */
     u64 tensor[2];   /* tensor_vector probes: first tensor's numel and raw dtype (flags bit 1) */
+};
+
+/* The Python stack of the thread making a probed library call, read at the
+ * call's entry (uprobes/python_frames.py): per frame, innermost first, the
+ * code object's address and the last instruction run.  The collector joins
+ * it to the api_event by (tid, ts). */
+#ifndef PY_FRAMES
+#define PY_FRAMES 32
+#endif
+struct py_stack_event {
+    u64 ts;          /* = the api_event's ts */
+    u32 pid;
+    u32 tid;
+    u32 depth;       /* frames filled */
+    u32 more;        /* 1: the stack is deeper than PY_FRAMES */
+    u64 code[PY_FRAMES];
+    u64 instr[PY_FRAMES];
 };
 
 #endif

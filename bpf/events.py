@@ -15,9 +15,11 @@ ARGV_SLOT_LEN = 64
 FILENAME_LEN = 128
 COMM_LEN = 16
 PATH_LEN = 112
+PY_FRAMES = 32
 
-RING_SYSCALL, RING_FUTEX, RING_PROC, RING_SIGNAL, RING_API, RING_FILE = range(6)
-RING_NAMES = ("syscall", "futex", "proc", "signal", "api", "file")
+RING_SYSCALL, RING_FUTEX, RING_PROC, RING_SIGNAL, RING_API, RING_FILE, RING_PYSTACK = range(7)
+RING_NAMES = ("syscall", "futex", "proc", "signal", "api", "file", "pystack")
+LIBRARY_RINGS = ("api", "pystack")  # loaded only with library probes
 
 FUTEX_KIND_WAIT, FUTEX_KIND_WAKE = 1, 2
 PROC_FORK, PROC_THREAD, PROC_EXEC, PROC_EXIT, PROC_REAP, PROC_DLOPEN = 1, 2, 3, 4, 5, 6
@@ -61,6 +63,12 @@ FILE_EVENT = np.dtype([
     ("nr", "<u4"), ("path", f"S{PATH_LEN}"),
 ])
 
+# struct py_stack_event
+PY_STACK_EVENT = np.dtype([
+    ("ts", "<u8"), ("pid", "<u4"), ("tid", "<u4"), ("depth", "<u4"), ("more", "<u4"),
+    ("code", "<u8", (PY_FRAMES,)), ("instr", "<u8", (PY_FRAMES,)),
+])
+
 EVENT_DTYPES = {
     "syscall": SYSCALL_EVENT,
     "futex": FUTEX_EVENT,
@@ -68,6 +76,7 @@ EVENT_DTYPES = {
     "signal": SIGNAL_EVENT,
     "api": API_EVENT,
     "file": FILE_EVENT,
+    "pystack": PY_STACK_EVENT,
 }
 
 RINGBUF_HDR = 8

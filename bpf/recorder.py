@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .events import EVENT_DTYPES, RING_NAMES
+from .events import EVENT_DTYPES, LIBRARY_RINGS, RING_NAMES
 from .ringbuf import RingReader
 
 HERE = Path(__file__).resolve().parent
@@ -27,7 +27,8 @@ ALL_PROBES = KERNEL_PROBES + LIBRARY_PROBES
 
 # Ring sizes in pages (powers of two).  The syscall ring (32 MiB) holds
 # ~350k records: a quarter of a second of a 1.3M/s storm.
-DEFAULT_RING_PAGES = {"syscall": 8192, "futex": 1024, "proc": 256, "signal": 64, "api": 1024, "file": 512}
+DEFAULT_RING_PAGES = {"syscall": 8192, "futex": 1024, "proc": 256, "signal": 64, "api": 1024, "file": 512,
+                      "pystack": 1024}
 UPROBES_DIR = HERE.parent / "uprobes"
 
 
@@ -39,6 +40,7 @@ class RecorderConfig:
     poll_log_min_ns: int = 1_000_000
     ring_pages: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_RING_PAGES))
     op_pattern: str | None = None   # opt-in operator probes: at::_ops::<op>::call, op matching this
+    python_stacks: bool = True      # library calls carry the caller's Python stack
 
     @property
     def libraries(self) -> tuple[str, ...]:
@@ -67,6 +69,9 @@ class RecorderConfig:
                  f"-DPOLL_LOG_MIN_NS={int(self.poll_log_min_ns)}ULL"]
         for probe in KERNEL_PROBES:
             flags.append(f"-DPROBE_{probe.upper()}={int(probe in self.probes)}")
+        from ..uprobes.python_frames import cflags as python_frame_flags
+
+        flags += python_frame_flags()
         flags += [f"-I{UPROBES_DIR}", f"-DWITH_UPROBES={int(self.with_uprobes)}",
                   f"-DAPI_ROWS={self.api_rows}", f"-DAPI_SLOTS={16 * self.api_rows}"]
         for ring, pages in self.ring_pages.items():
@@ -106,7 +111,7 @@ class KernelRecorder:
         self.bpf = BPF(text=text.encode(), cflags=self.config.cflags())
         self._traced = self.bpf["traced"]
         page = os.sysconf("SC_PAGE_SIZE")
-        rings = [r for r in RING_NAMES if r != "api" or self.config.with_uprobes]
+        rings = [r for r in RING_NAMES if r not in LIBRARY_RINGS or self.config.with_uprobes]
         self.readers = {
             ring: RingReader(self.bpf[f"{ring}_ring"].map_fd,
                              self.config.ring_pages[ring] * page, EVENT_DTYPES[ring])
@@ -118,7 +123,8 @@ class KernelRecorder:
             from ..uprobes.spec import load_specs, select
 
             specs = select(load_specs(UPROBES_DIR), set(self.config.libraries), self.config.op_pattern)
-            self.prober = LibraryProber(self.bpf, specs, 16 * self.config.api_rows)
+            self.prober = LibraryProber(self.bpf, specs, 16 * self.config.api_rows,
+                                        python_stacks=self.config.python_stacks)
 
     def trace(self, pid: int) -> None:
         """Record process `pid` and every process it forks from now on."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,7 +29,7 @@ SITE = sysconfig.get_paths()["purelib"]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 LOOP = textwrap.dedent("""
-    import ctypes, sys, time
+    import ctypes, os, sys, time
     kind, n = sys.argv[1], int(sys.argv[2])
     if kind == "cudart":
         lib = ctypes.CDLL(sys.argv[3]); out = ctypes.c_int()
@@ -44,6 +45,12 @@ LOOP = textwrap.dedent("""
         import torch
         a = torch.ones(1, 1)
         call = lambda: torch.mm(a, a)
+    depth = int(os.environ.get("DEPTH", "0"))   # Python frames above the call (a training step's are ~20-30)
+    if depth:
+        inner = call
+        def nest(k):
+            return inner() if k == 0 else nest(k - 1)
+        call = lambda: nest(depth)
     time.sleep(1.0)                     # the recorder attaches to what was just loaded
     for _ in range(1000):
         call()
@@ -73,19 +80,20 @@ COLLECTIVE_LOOP = textwrap.dedent("""
 KERNEL_ONLY = ("--probes", "syscall,futex,proc,signal")
 
 
-def run_loop(tmp: Path, argv: list[str], recorded: bool, extra: tuple[str, ...] = ()) -> float:
+def run_loop(tmp: Path, argv: list[str], recorded: bool, extra: tuple[str, ...] = (), env=None) -> float:
     """One timed loop; `recorded` runs it under `watcher record` with `extra`
     options, and False with no recorder at all unless `extra` says otherwise."""
     cmd = [sys.executable, *argv]
     if recorded or extra:
         out = tmp / f"r{time.monotonic_ns()}.duckdb"
         cmd = [sys.executable, "-m", "watcher.cli", "record", "--out", str(out), *extra, "--", *cmd]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=None if env is None else {**os.environ, **env})
     assert res.returncode == 0, res.stderr
     return float(res.stdout.strip().splitlines()[-1])
 
 
-def per_hit(tmp: Path, argv: list[str], n: int, runs: int, extra=(), baseline=()) -> dict:
+def per_hit(tmp: Path, argv: list[str], n: int, runs: int, extra=(), baseline=(), env=None) -> dict:
     """`baseline` options give the comparison run (default: no recorder); a
     loop that makes syscalls compares against the kernel probes alone, so the
     difference is the library probe's own cost."""
@@ -93,9 +101,9 @@ def per_hit(tmp: Path, argv: list[str], n: int, runs: int, extra=(), baseline=()
     for i in range(runs):
         for recorded in ((False, True) if i % 2 == 0 else (True, False)):
             if recorded:
-                rec.append(run_loop(tmp, argv, True, extra))
+                rec.append(run_loop(tmp, argv, True, extra, env))
             else:
-                plain.append(run_loop(tmp, argv, False, baseline))
+                plain.append(run_loop(tmp, argv, False, baseline, env))
     cost = statistics.median(r - p for r, p in zip(rec, plain)) / 1000
     return {"calls": n, "plain_ns": statistics.median(plain), "recorded_ns": statistics.median(rec),
             "cost_us_per_hit": cost}
@@ -105,7 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=6, help="overhead pairs (see bench_recorder)")
-    ap.add_argument("--only", help="one family: libcudart, libnccl, ops, collectives, overhead")
+    ap.add_argument("--only", help="one family: libcudart, pystacks, libnccl, ops, collectives, overhead")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "uprobes.json"))
     args = ap.parse_args()
     cudart = glob.glob(f"{SITE}/nvidia/cu*/lib/libcudart.so.*")
@@ -120,7 +128,15 @@ def main() -> None:
         want = lambda fam: args.only in (None, fam)  # noqa: E731
         if cudart and want("libcudart"):
             print("libcudart (cudaGetDeviceCount)...", file=sys.stderr)
-            results["libcudart"] = per_hit(tmp, [str(script), "cudart", "200000", cudart[0]], 200000, args.runs)
+            argv = [str(script), "cudart", "200000", cudart[0]]
+            results["libcudart"] = per_hit(tmp, argv, 200000, args.runs)
+        if cudart and want("pystacks"):
+            # The Python stack read with each call: the same probe 24 frames deep, with and without.
+            print("libcudart 24 Python frames deep, with and without stacks...", file=sys.stderr)
+            argv = [str(script), "cudart", "100000", cudart[0]]
+            results["libcudart_depth24"] = per_hit(tmp, argv, 100000, args.runs, env={"DEPTH": "24"})
+            results["libcudart_depth24_no_stacks"] = per_hit(tmp, argv, 100000, args.runs, ("--no-py-stacks",),
+                                                             env={"DEPTH": "24"})
         if nccl and want("libnccl"):
             print("libnccl (ncclGetVersion)...", file=sys.stderr)
             results["libnccl"] = per_hit(tmp, [str(script), "nccl", "200000", nccl[0]], 200000, args.runs)

@@ -37,11 +37,16 @@ def test_hang_names_the_rank_the_collective_and_where_it_is(tmp_path, monkeypatc
         assert report["suspect_ranks"] == [1]
         r1 = report["ranks"]["1"]
         assert r1["alive"] and r1["last_collective"]["seq"] == 2
+        # the line that issued it, from the Python stack read by the probe
+        lines = (ROOT / "tests" / "workloads" / "collectives.py").read_text().splitlines()
+        site = f"{ROOT / 'tests' / 'workloads' / 'collectives.py'}:{lines.index('        dist.all_reduce(t)') + 1} main"
+        assert r1["last_collective"]["py_site"] == site
         main_thread = [b for b in r1["blocked_in"] if b["tid"] == r1["pid"]]
         assert main_thread and main_thread[0]["syscall"] == "clock_nanosleep"
         assert main_thread[0]["blocked_ns"] > 1e9
         text = watcher("analyze", "hang", str(out), check=True).stdout
         assert "ranks [1] never issued collective #3 (allreduce)" in text
+        assert f"last collective: #2 allreduce group 0 (returned) issued at {site}" in text
     finally:
         _kill_tree(out)
 

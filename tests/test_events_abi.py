@@ -21,6 +21,8 @@ int main(void) {
     printf("api %zu\n", sizeof(struct api_event));
     printf("file %zu\n", sizeof(struct file_event));
     printf("file.path %zu\n", offsetof(struct file_event, path));
+    printf("pystack %zu\n", sizeof(struct py_stack_event));
+    printf("pystack.instr %zu\n", offsetof(struct py_stack_event, instr));
     printf("proc.argv %zu\n", offsetof(struct proc_event, argv));
     printf("futex.wake_ts %zu\n", offsetof(struct futex_event, wake_ts));
     printf("syscall.nr %zu\n", offsetof(struct syscall_event, nr));
@@ -46,3 +48,4 @@ def test_struct_sizes_and_offsets_match(tmp_path):
     assert int(out["syscall.nr"]) == events.SYSCALL_EVENT.fields["nr"][1]
     assert int(out["api.tensor"]) == events.API_EVENT.fields["tensor"][1]
     assert int(out["file.path"]) == events.FILE_EVENT.fields["path"][1]
+    assert int(out["pystack.instr"]) == events.PY_STACK_EVENT.fields["instr"][1]

@@ -59,6 +59,19 @@ def test_gloo_collectives_recorded_with_op_and_sequence_on_both_ranks(tmp_path):
         mine = [r[1:] for r in rows if r[0] == rank]
         assert mine == [(op, seq, *d, "returned") for seq, (op, d) in enumerate(expected)], rank
     assert query(out, "SELECT count(DISTINCT group_index) FROM collective") == [(1,)]
+    # Each collective names the workload line that issued it, read from outside
+    # the process (c10d runs with the GIL released: found by thread id).
+    script = ROOT / "tests" / "workloads" / "collectives.py"
+    lines = script.read_text().splitlines()
+    line_of = {op: f"{script}:{lines.index(next(x for x in lines if call in x)) + 1} main"
+               for op, call in (("allreduce", "dist.all_reduce(t)"), ("broadcast", "dist.broadcast(t"),
+                                ("allgather", "dist.all_gather(out"), ("barrier", "dist.barrier()"))}
+    sites = query(out, "SELECT c.rank, c.seq, c.op, a.py_site, a.py_stack FROM collective c "
+                       "JOIN api_call a USING (api_call_id) ORDER BY c.rank, c.seq")
+    assert [(r, op, site) for r, _, op, site, _ in sites] == \
+        [(rank, op, line_of[op]) for rank in (0, 1) for op, _ in expected]
+    # the innermost frames are torch's own wrappers around the call
+    assert all("torch/distributed/" in stack.splitlines()[0] for *_, stack in sites)
 
 
 OPS_SCRIPT = textwrap.dedent("""
@@ -124,6 +137,7 @@ LATE_LOAD = textwrap.dedent(f"""
     rc_malloc = cudart.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(1 << 20))
     print(json.dumps({{"count_rc": rc_count, "count": n.value, "version_rc": rc_version,
                        "version": v.value, "malloc_rc": rc_malloc}}), flush=True)
+    sys.stdin.readline()                     # lives on until its code objects were read
 """)
 
 
@@ -152,6 +166,9 @@ def test_cudart_and_nccl_loaded_after_attach_are_probed_with_exact_returns(tmp_p
         target.stdin.write("go\n")
         target.stdin.flush()
         truth = json.loads(target.stdout.readline())
+        time.sleep(1.0)  # the collector reads new code objects at its next ring poll (every 0.1 s)
+        target.stdin.write("go\n")
+        target.stdin.flush()
         assert target.wait(30) == 0
         assert w.wait(60) == 0
     finally:
@@ -168,6 +185,12 @@ def test_cudart_and_nccl_loaded_after_attach_are_probed_with_exact_returns(tmp_p
         ("cudaGetDeviceCount", "cudaErrorInsufficientDriver", True),
         ("cudaMalloc", "cudaErrorInsufficientDriver", True)]
     assert query(out, "SELECT call, result, failed FROM nccl_call") == [("ncclGetVersion", "ncclSuccess", False)]
+    # Each call carries the Python line that made it (`python -c`: file "<string>").
+    script = LATE_LOAD.splitlines()
+    line = {call: 1 + next(i for i, x in enumerate(script) if f".{call}(" in x) for call in
+            ("cudaGetDeviceCount", "ncclGetVersion", "cudaMalloc")}
+    stacks = dict(query(out, "SELECT probe, py_stack FROM api_call"))
+    assert {p: stacks[p] for p in line} == {p: f"<string>:{n} <module>" for p, n in line.items()}
 
 
 @needs_libs
@@ -199,3 +222,27 @@ def test_every_spec_loads_and_names_known_types():
                  "ncclCommInitRank", "ncclCommAbort", "ncclGroupStart", "gloo.allreduce", "gloo.barrier", "op",
                  "nccl.allreduce"):
         assert want in names, want
+
+
+def test_python_frame_layout_and_line_table_match_this_interpreter():
+    """The offsets the BPF handler walks, checked against the running
+    interpreter; the line-table decoder against CPython's own positions."""
+    import types
+
+    from watcher.uprobes.python_frames import addr_to_line, check_layout
+
+    assert check_layout() is None
+
+    def codes(co):
+        yield co
+        for c in co.co_consts:
+            if isinstance(c, types.CodeType):
+                yield from codes(c)
+
+    n = 0
+    for mod in (json, textwrap, subprocess):
+        for co in codes(compile(open(mod.__file__).read(), mod.__file__, "exec")):
+            for unit, (line, *_) in enumerate(co.co_positions()):
+                assert addr_to_line(co.co_linetable, co.co_firstlineno, 2 * unit) == line, (co, unit)
+                n += 1
+    assert n > 10_000

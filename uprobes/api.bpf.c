@@ -13,7 +13,7 @@ struct api_cfg_t {
     u32 entry_only;     /* emit at entry, do not wait for the return */
     s32 numel_off;      /* tensor_vector: TensorImpl offset of numel, -1 unknown */
     s32 dtype_off;      /* tensor_vector: TensorImpl offset of the dtype index, -1 unknown */
-    u32 pad;
+    u32 py_stack;       /* record the calling thread's Python stack */
 };
 
 struct api_key_t {
@@ -33,6 +33,81 @@ struct api_inflight_t {
 BPF_ARRAY(api_cfg, struct api_cfg_t, API_SLOTS);
 BPF_HASH(api_inflight, struct api_key_t, struct api_inflight_t, 16384);
 BPF_RINGBUF_OUTPUT(api_ring, RING_PAGES_API);
+
+/* Processes running a supported CPython: tgid -> address of _PyRuntime.
+ * Filled by the collector (uprobes/python_frames.py), which also passes the
+ * struct offsets used below as PY_* defines. */
+BPF_HASH(py_procs, u32, u64, 4096);
+BPF_RINGBUF_OUTPUT(pystack_ring, RING_PAGES_PYSTACK);
+
+static __always_inline u64 py_word(u64 addr)
+{
+    u64 v = 0;
+    if (bpf_probe_read_user(&v, sizeof(v), (void *)addr))
+        return 0;
+    return v;
+}
+
+#if PY_FR_PREVIOUS - PY_FR_CODE >= 32 || PY_FR_PREV_INSTR - PY_FR_CODE >= 32
+#error "f_code, previous and prev_instr must lie within 32 bytes (uprobes/python_frames.py)"
+#endif
+
+/* Copy the calling thread's Python frames (code object, last instruction),
+ * innermost first.  The thread state is the one whose native id is this
+ * thread's: torch releases the GIL around its calls, so the GIL holder may
+ * be another thread, while this one still points at its calling frame. */
+static __always_inline void api_py_stack(u32 tgid, u32 tid, u64 ts)
+{
+    u64 *runtime = py_procs.lookup(&tgid);
+    if (!runtime)
+        return;
+    u64 interp = py_word(*runtime + PY_RT_INTERP_HEAD);
+    if (!interp)
+        return;
+    u64 t = py_word(interp + PY_IS_THREADS_HEAD), tstate = 0;
+    for (int i = 0; i < PY_THREAD_SCAN; i++) {
+        if (!t)
+            break;
+        if (py_word(t + PY_TS_NATIVE_TID) == tid) {
+            tstate = t;
+            break;
+        }
+        t = py_word(t + PY_TS_NEXT);
+    }
+    if (!tstate)
+        return;
+    u64 cframe = py_word(tstate + PY_TS_CFRAME);
+    u64 frame = cframe ? py_word(cframe + PY_CF_CURRENT) : 0;
+    if (!frame)
+        return;
+    struct py_stack_event *e = pystack_ring.ringbuf_reserve(sizeof(struct py_stack_event));
+    if (!e) {
+        count_drop(RING_PYSTACK);
+        return;
+    }
+    e->ts = ts;
+    e->pid = tgid;
+    e->tid = tid;
+    /* One read per frame: f_code, previous and prev_instr lie in one 32-byte
+     * span (a third of the cost of three reads). */
+    u32 n = 0;
+    for (int i = 0; i < PY_FRAMES; i++) {
+        if (!frame)
+            break;
+        u64 span[4] = {};
+        if (bpf_probe_read_user(span, sizeof(span), (void *)(frame + PY_FR_CODE))) {
+            frame = 0;
+            break;
+        }
+        e->code[i] = span[0];
+        e->instr[i] = span[(PY_FR_PREV_INSTR - PY_FR_CODE) / 8];
+        n++;
+        frame = span[(PY_FR_PREVIOUS - PY_FR_CODE) / 8];
+    }
+    e->depth = n;
+    e->more = frame != 0;
+    pystack_ring.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+}
 
 static __always_inline void api_read_args(struct pt_regs *ctx, u64 *a)
 {
@@ -113,6 +188,8 @@ static __always_inline int api_on_entry(struct pt_regs *ctx, u32 slot)
     struct api_inflight_t v = {};
     v.ts = bpf_ktime_get_ns();
     api_read_args(ctx, v.args);
+    if (cfg->py_stack)
+        api_py_stack(tgid, tid, v.ts);
     if (!cfg->deref_at_exit) {
         v.flags = api_deref(cfg, v.args, v.deref);
         if (v.flags)

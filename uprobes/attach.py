@@ -24,7 +24,7 @@ LOADER = re.compile(r"^ld-linux.*\.so")
 class _Cfg(ctypes.Structure):
     _fields_ = [("deref_arg", ctypes.c_int32), ("deref_at_exit", ctypes.c_uint32),
                 ("entry_only", ctypes.c_uint32), ("numel_off", ctypes.c_int32),
-                ("dtype_off", ctypes.c_int32), ("pad", ctypes.c_uint32)]
+                ("dtype_off", ctypes.c_int32), ("py_stack", ctypes.c_uint32)]
 
 
 def _file_key(path: str) -> tuple[int, int] | None:
@@ -61,11 +61,18 @@ class LibraryProber:
     notes: list[str] = field(default_factory=list)
     loaders: set = field(default_factory=set)
     tensor_layouts: dict = field(default_factory=dict)   # libtorch path -> measured TensorImpl layout
+    python_stacks: bool = True       # record the Python stack of each call (python_frames.py)
+    interpreters: dict = field(default_factory=dict)     # (pid, exe) -> _PyRuntime address or None
 
     def scan(self, pids) -> list[str]:
         """Attach to libraries newly mapped by `pids`; returns new warnings."""
         new_warnings = []
+        for pid in {k[0] for k in self.interpreters}:
+            if not os.path.exists(f"/proc/{pid}"):
+                self.forget(pid)
         for pid in pids:
+            if self.python_stacks:
+                self._find_interpreter(pid)
             for path in mapped_files(pid):
                 if LOADER.search(os.path.basename(path)):
                     self._watch_loader(path)
@@ -83,6 +90,36 @@ class LibraryProber:
                         new_warnings.append(f"cannot probe {path}: {type(e).__name__}: {e}")
         self.warnings += new_warnings
         return new_warnings
+
+    def _find_interpreter(self, pid: int) -> None:
+        """Tell the BPF side where `pid`'s interpreter state lives, so calls
+        from it carry their Python stack.  A process whose libpython is not
+        mapped yet (just exec'd) is looked at again on the next scan."""
+        try:
+            key = (pid, os.readlink(f"/proc/{pid}/exe"))
+        except OSError:
+            return
+        if key in self.interpreters:
+            return
+        from .python_frames import interpreter
+
+        addr, note = interpreter(pid)
+        if addr is None and "need" not in note:
+            return  # not (yet) a Python process
+        self.interpreters[key] = addr
+        if addr is None:
+            self.notes.append(f"no Python stacks: {note}")
+            return
+        self.bpf["py_procs"][ctypes.c_uint32(pid)] = ctypes.c_uint64(addr)
+
+    def forget(self, pid: int) -> None:
+        """A process exited: its pid may come back as something else."""
+        try:
+            del self.bpf["py_procs"][ctypes.c_uint32(pid)]
+        except (KeyError, Exception):
+            pass
+        for key in [k for k in self.interpreters if k[0] == pid]:
+            del self.interpreters[key]
 
     def _watch_loader(self, path: str) -> None:
         """Follow dlopen in every process using this ld.so (once per file)."""
@@ -118,7 +155,8 @@ class LibraryProber:
             tensor = layout if spec.deref and spec.deref.type == "tensor_vector" and layout else None
             cfg = _Cfg(spec.deref.arg if spec.deref else -1,
                        int(bool(spec.deref and spec.deref.at_exit)), int(spec.entry_only),
-                       tensor["numel_off"] if tensor else -1, tensor["dtype_off"] if tensor else -1, 0)
+                       tensor["numel_off"] if tensor else -1, tensor["dtype_off"] if tensor else -1,
+                       int(self.python_stacks and spec.python_stack))
             self.bpf["api_cfg"][ctypes.c_int(slot)] = cfg
             r, c = divmod(slot, 16)
             entry_attached = False

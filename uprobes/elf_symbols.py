@@ -16,7 +16,7 @@ import struct
 import numpy as np
 
 SHT_SYMTAB, SHT_DYNSYM = 2, 11
-STT_FUNC, STT_GNU_IFUNC = 2, 10
+STT_OBJECT, STT_FUNC, STT_GNU_IFUNC = 1, 2, 10
 
 # Elf64_Sym: st_name u32, st_info u8, st_other u8, st_shndx u16, st_value u64, st_size u64
 ELF64_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
@@ -54,6 +54,13 @@ def function_symbols(path: str, exact: set[str] = frozenset(), substrings: set[s
                      everything: bool = False) -> dict[str, int]:
     """{name: st_value} of defined functions named in `exact`, or whose name
     contains one of `substrings` (or every function, if `everything`)."""
+    return defined_symbols(path, exact, substrings, everything)
+
+
+def defined_symbols(path: str, exact: set[str] = frozenset(), substrings: set[str] = frozenset(),
+                    everything: bool = False, objects: bool = False) -> dict[str, int]:
+    """`function_symbols`, and data objects too when `objects` (an
+    interpreter's globals, for one)."""
     with open(path, "rb") as f:
         data = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # mapped, not read: libtorch is >400 MB
     try:
@@ -72,7 +79,8 @@ def function_symbols(path: str, exact: set[str] = frozenset(), substrings: set[s
             syms = np.frombuffer(data, dtype=ELF64_SYM, count=sh_size // ELF64_SYM.itemsize,
                                  offset=sh_offset).copy()
             kind = syms["info"] & 0xF
-            keep = syms[((kind == STT_FUNC) | (kind == STT_GNU_IFUNC)) & (syms["shndx"] != 0)
+            wanted = (kind == STT_FUNC) | (kind == STT_GNU_IFUNC) | (objects & (kind == STT_OBJECT))
+            keep = syms[wanted & (syms["shndx"] != 0)
                         & (syms["value"] != 0)]
             if not everything:
                 keep = keep[_select(keep["name"].astype(np.int64), strings, set(exact), set(substrings))]

@@ -53,6 +53,7 @@ class ProbeSpec:
     entry_only: bool
     hint: str = ""       # a substring every matching mangled name contains (cheap prefilter)
     optional: bool = False  # absent from some builds (e.g. NCCL in a CPU torch): no warning
+    python_stack: bool = True  # record the calling thread's Python stack (python_frames.py)
 
     def arg_index(self, name: str) -> int | None:
         return next((i for i, a in enumerate(self.args) if a.name == name), None)
@@ -94,7 +95,8 @@ def _probe(library: str, raw: dict) -> ProbeSpec:
         deref = Deref(int(d["arg"]), d["type"], d["name"], d.get("at", "exit") == "exit")
     return ProbeSpec(library, name, raw.get("symbol"), raw.get("pattern"), args, ret, deref,
                      bool(raw.get("default", False)), raw.get("family", library), raw.get("collective"),
-                     bool(raw.get("entry_only", False)), raw.get("hint", ""), bool(raw.get("optional", False)))
+                     bool(raw.get("entry_only", False)), raw.get("hint", ""), bool(raw.get("optional", False)),
+                     bool(raw.get("python_stack", True)))
 
 
 def load_specs(directory: Path = HERE) -> list[LibrarySpec]:
@@ -132,7 +134,7 @@ def _narrow_ops(p: ProbeSpec, op_pattern: str) -> ProbeSpec:
         raise UsageError(f"bad --ops pattern {op_pattern!r}: {e}") from None
     pattern = rf"^at::_ops::(?P<op>{op_pattern})::call\("
     return ProbeSpec(p.library, p.name, None, pattern, p.args, p.ret, p.deref, True, p.family,
-                     p.collective, p.entry_only, p.hint, p.optional)
+                     p.collective, p.entry_only, p.hint, p.optional, p.python_stack)
 
 
 def resolve(lib: LibrarySpec, path: str) -> tuple[list[ResolvedProbe], list[str]]:

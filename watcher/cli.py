@@ -48,7 +48,11 @@ def _default_out(label: str) -> Path:
     return Path(f"watcher-{safe}-{time.strftime('%Y%m%d-%H%M%S')}.duckdb")
 
 
-def _session_config(out, probes, duration, max_size, ring_minutes, live, label, ops=None):
+PY_STACKS_HELP = ("Record the calling thread's Python stack (file:line) with every library call, read "
+                  "from outside the process (CPython 3.11). Columns api_call.py_stack and py_site.")
+
+
+def _session_config(out, probes, duration, max_size, ring_minutes, live, label, ops=None, py_stacks=True):
     from .session import SessionConfig
 
     probe_list = tuple(p.strip() for p in probes.split(",") if p.strip()) if probes else None
@@ -56,7 +60,8 @@ def _session_config(out, probes, duration, max_size, ring_minutes, live, label, 
     if probe_list:
         kw["probes"] = probe_list
     return SessionConfig(out=Path(out) if out else _default_out(label), duration=duration,
-                         max_size=_parse_size(max_size), ring_minutes=ring_minutes, live=live, ops=ops, **kw)
+                         max_size=_parse_size(max_size), ring_minutes=ring_minutes, live=live, ops=ops,
+                         py_stacks=py_stacks, **kw)
 
 
 @app.command(epilog="Examples:\n\n  sudo watcher attach --pid 1234\n\n"
@@ -71,11 +76,12 @@ def attach(
     ring_minutes: Optional[float] = typer.Option(None, help="Flight recorder: keep only the last N minutes in memory; write on SIGUSR1 and at exit."),
     live: bool = typer.Option(False, help="Show a live terminal view, refreshed every second."),
     ops: Optional[str] = typer.Option(None, help=OPS_HELP),
+    py_stacks: bool = typer.Option(True, "--py-stacks/--no-py-stacks", help=PY_STACKS_HELP),
 ):
     """Record a running process tree until it exits or Ctrl-C."""
     from .session import Session
 
-    cfg = _session_config(out, probes, duration, max_size, ring_minutes, live, f"pid{pid}", ops)
+    cfg = _session_config(out, probes, duration, max_size, ring_minutes, live, f"pid{pid}", ops, py_stacks)
     Session(cfg).attach(pid)
 
 
@@ -90,11 +96,13 @@ def record(
     ring_minutes: Optional[float] = typer.Option(None, help="Flight recorder: keep only the last N minutes in memory."),
     live: bool = typer.Option(False, help="Show a live terminal view, refreshed every second."),
     ops: Optional[str] = typer.Option(None, help=OPS_HELP),
+    py_stacks: bool = typer.Option(True, "--py-stacks/--no-py-stacks", help=PY_STACKS_HELP),
 ):
     """Launch a command and record it from its first instruction. Exits with the command's exit code."""
     from .session import Session
 
-    cfg = _session_config(out, probes, duration, max_size, ring_minutes, live, Path(cmd[0]).name, ops)
+    cfg = _session_config(out, probes, duration, max_size, ring_minutes, live, Path(cmd[0]).name, ops,
+                          py_stacks)
     result = Session(cfg).record(list(cmd))
     raise typer.Exit(result.target_exit or 0)
 

@@ -112,6 +112,11 @@ class Collector:
 
     def _poll_locked(self) -> int:
         got = self.recorder.read()
+        stacks = got.get("pystack")
+        if stacks is not None and len(stacks) and self.library_calls is not None:
+            # Name the stacks' code objects now, while their processes live
+            # (a crashing rank's last calls are the ones that matter).
+            self.library_calls.frames.learn(stacks)
         proc = got.get("proc")
         if proc is not None and len(proc):
             # A new image (exec) or a dlopen: its libraries may need probes now.
@@ -210,6 +215,9 @@ class Collector:
             if fx is not None:
                 w.append_futex(fx, m.utids(fx["pid"], fx["tid"]), m.upids(fx["pid"]),
                                np.where(fx["waker_tid"] > 0, m.utids_if_known(fx["waker_tid"]), -1))
+            st = batch.get("pystack")
+            if st is not None and self.library_calls is not None:
+                self.library_calls.add_stacks(st)
             ap = batch["api"]
             if ap is not None and self.library_calls is not None:
                 self.library_calls.write(ap, m.utids(ap["pid"], ap["tid"]), m.upids(ap["pid"]))

@@ -9,6 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from .uprobes.decode import deref_value, detail, ret_name
+from .uprobes.python_frames import FrameResolver, user_frame
+
+# Stacks waiting for their call's row: a call's stack is read at entry and
+# can reach the collector a flush before the call returns.
+MAX_WAITING_STACKS = 50_000
 
 
 class LibraryCallWriter:
@@ -20,6 +25,16 @@ class LibraryCallWriter:
         self._group_index: dict[tuple[int, int], int] = {}
         self._groups_per_process: dict[int, int] = {}
         self._seq: dict[tuple[int, int], int] = {}
+        self.frames = FrameResolver()
+        self._stacks: dict[tuple[int, int], list[str]] = {}
+
+    def add_stacks(self, ev: np.ndarray) -> None:
+        """Python stacks read at call entries (ring `pystack`), named now."""
+        for e in ev:
+            self._stacks[(int(e["tid"]), int(e["ts"]))] = self.frames.describe(e)
+        if len(self._stacks) > MAX_WAITING_STACKS:  # calls never seen (dropped): keep the newest
+            for key in list(self._stacks)[:len(self._stacks) - MAX_WAITING_STACKS]:
+                del self._stacks[key]
 
     def write(self, ev: np.ndarray, utids: np.ndarray, upids: np.ndarray, entered: bool = False) -> None:
         calls, colls = [], []
@@ -37,9 +52,13 @@ class LibraryCallWriter:
             cid = self.next_id
             self.next_id += 1
             utid, upid = int(utids[i]), int(upids[i])
+            key = (int(e["tid"]), int(e["ts"]))
+            # A call still in progress keeps its stack for the row written when it returns.
+            stack = self._stacks.get(key) if entered else self._stacks.pop(key, None)
             calls.append((cid, int(e["ts"]), None if entered else int(e["dur"]), utid, upid, spec.library,
                           spec.name, probe.display, ret, None if entered else ret_name(spec.ret, ret),
-                          *args, dval, detail(spec, args, dval), probe.path))
+                          *args, dval, detail(spec, args, dval), probe.path,
+                          "\n".join(stack) if stack else None, user_frame(stack) if stack else None))
             if spec.collective:
                 pg = args[spec.arg_index("pg")] if spec.arg_index("pg") is not None else 0
                 key = (upid, pg)

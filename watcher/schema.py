@@ -162,6 +162,10 @@ TABLES: tuple[Table, ...] = (
         C("deref", "BIGINT", "Value read through the pointer argument the spec names (e.g. *count), NULL if none."),
         C("detail", "VARCHAR", "Arguments decoded per the spec, as name=value pairs."),
         C("file", "VARCHAR", "Library file the probe was attached to (from /proc/PID/maps)."),
+        C("py_stack", "VARCHAR", "Python stack of the calling thread at entry, innermost frame first, one "
+          "'file:line function' per line (CPython 3.11; NULL for other interpreters and operator probes)."),
+        C("py_site", "VARCHAR", "The innermost py_stack frame in the user's code (not the standard library, an "
+          "installed package or Watcher): the line that made the call."),
     )),
     Table("collective", "c10d collectives issued by each rank, numbered per process group.", (
         C("api_call_id", "BIGINT", "The api_call row of the call."),

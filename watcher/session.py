@@ -35,6 +35,7 @@ class SessionConfig:
     live: bool = False
     log_idle_polls: bool = False
     ops: str | None = None               # opt-in operator probes (regex over op names)
+    py_stacks: bool = True               # Python stack of every library call (uprobes/python_frames.py)
     flush_interval: float = 1.0
     quiet: bool = False
     extra_meta: dict = field(default_factory=dict)
@@ -157,7 +158,7 @@ class Session:
         from .bpf.recorder import KernelRecorder
 
         cfg = RecorderConfig(probes=self.config.probes, log_idle_polls=self.config.log_idle_polls,
-                             op_pattern=self.config.ops)
+                             op_pattern=self.config.ops, python_stacks=self.config.py_stacks)
         try:
             self.recorder = KernelRecorder(cfg)
         except Exception as e:  # bcc raises plain Exception on compile/attach failure
