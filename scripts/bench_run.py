@@ -59,6 +59,37 @@ def runtime_steps(run_dir: Path) -> list[dict]:
     return out
 
 
+def rank_pids() -> list[int]:
+    """The reference workload's rank processes (not their launcher)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"watcher.workloads.ddp_lm" in argv and b"torch.distributed.run" not in argv:
+            out.append(int(d.name))
+    return sorted(out)
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    """User + system CPU of the processes, all threads (gloo's included), in clock ticks."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def steps_ended(steps: list[dict], lo: int, hi: int) -> int:
+    return sum(1 for s in steps if lo <= s["end"] <= hi)
+
+
 def bench_runtime_windows(tmp: Path, pairs: int, window_s: float) -> dict:
     import signal
 
@@ -76,19 +107,31 @@ def bench_runtime_windows(tmp: Path, pairs: int, window_s: float) -> dict:
             assert proc.poll() is None, "watcher run failed to start"
             time.sleep(0.5)
         ctl = Control(run_dir / "runtime")
+        pids = rank_pids()
+        cpu = []
         for i in range(pairs):
-            pair = {}
+            pair, ticks = {}, {}
             for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
                 ctl.paused = 1 if mode == "off" else 0
                 time.sleep(0.5)  # let the current step finish in the new mode
-                lo = time.monotonic_ns()
+                lo, c0 = time.monotonic_ns(), cpu_ticks(pids)
                 time.sleep(window_s)
                 pair[mode] = (lo, time.monotonic_ns())
+                ticks[mode] = cpu_ticks(pids) - c0
             windows.append(pair)
+            cpu.append(ticks)
         steps = read_steps(times)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(120)
+    # CPU per step: the ranks' own CPU time (the recorder's probes included,
+    # the collector not) over the steps that ended in the window.  Steadier
+    # than step time, which also moves with whatever else the machine runs.
+    cpu_ratios = []
+    for pair, ticks in zip(windows, cpu):
+        per_step = {m: ticks[m] / max(steps_ended(steps, *pair[m]), 1) for m in ("off", "on")}
+        if ticks["off"] and ticks["on"]:
+            cpu_ratios.append(per_step["on"] / per_step["off"])
     ratios, off_ms, on_ms = [], [], []
     for i, pair in enumerate(windows):
         off, on = window_median_ms(steps, *pair["off"]), window_median_ms(steps, *pair["on"])
@@ -99,9 +142,17 @@ def bench_runtime_windows(tmp: Path, pairs: int, window_s: float) -> dict:
         on_ms.append(on)
         print(f"window pair {i + 1}/{pairs}: runtime off {off:.2f} ms  on {on:.2f} ms  ratio {on / off:.3f}",
               file=sys.stderr, flush=True)
+    # Watcher's own time inside the ranks (hooks, checksums, capture), logged
+    # per step by the runtime: what it costs, free of the machine's drift.
+    own = [fp["watcher_us"] / (fp["dur"] / 1000) for fp in runtime_steps(run_dir)
+           if fp.get("watcher_us") is not None and fp.get("dur") and not fp.get("snapshot")]
     return {"pairs": len(ratios), "window_s": window_s, "ratios": ratios,
+            "own_time_fraction_median": statistics.median(own) if own else None,
+            "own_time_fraction_p90": statistics.quantiles(own, n=10)[-1] if len(own) > 10 else None,
             "median_ratio": statistics.median(ratios), "worst_ratio": max(ratios),
-            "off_ms": off_ms, "on_ms": on_ms}
+            "off_ms": off_ms, "on_ms": on_ms, "rank_pids": pids, "cpu_ratios": cpu_ratios,
+            "cpu_median_ratio": statistics.median(cpu_ratios) if cpu_ratios else None,
+            "cpu_worst_ratio": max(cpu_ratios) if cpu_ratios else None}
 
 
 def bench_overhead(tmp: Path, pairs: int, steps: int) -> dict:
@@ -168,6 +219,10 @@ def main() -> None:
     rows = [
         ("runtime on/off ratio, median", f"{win['median_ratio']:.3f}",
          f"{win['pairs']} window pairs in one job; worst {win['worst_ratio']:.3f}"),
+        ("runtime on/off CPU per step, median", f"{win['cpu_median_ratio']:.3f}",
+         f"the ranks' CPU time per step, same windows; worst {win['cpu_worst_ratio']:.3f}"),
+        ("Watcher's own time / step time, median", f"{win['own_time_fraction_median']:.3f}",
+         f"step.watcher_us over dur in the 'on' windows; p90 {win['own_time_fraction_p90']:.3f}"),
         ("end-to-end ratio, median", f"{over['median_ratio']:.3f}", f"{args.pairs} pairs; target <=1.05, goal 1.02"),
         ("end-to-end ratio, worst", f"{over['worst_ratio']:.3f}", f"best {over['best_ratio']:.3f}; separate jobs"),
         ("plain step, median ms", f"{statistics.median(over['plain_ms']):.2f}", ""),

@@ -65,6 +65,9 @@ def test_reference_job_is_bit_identical_and_fully_captured(tmp_path, plain_refer
     # snapshots every 4 steps
     assert query(rec, "SELECT DISTINCT step FROM step WHERE snapshot ORDER BY 1") == [(4,), (8,), (12,)]
     assert query(rec, "SELECT count(*) FROM incident") == [(0,)]
+    # what Watcher cost each step is in the record, and is part of the step (never more than all of it)
+    assert query(rec, "SELECT count(*) FROM step WHERE watcher_us IS NULL OR watcher_us <= 0 "
+                      "OR (dur IS NOT NULL AND watcher_us * 1000 > dur)") == [(0,)]
 
 
 @needs_bpf

@@ -399,7 +399,7 @@ def ingest(out: Path) -> list[dict]:
         for k, fp in sorted(read_steps(out, r).items()):
             step_rows.append((r, k, fp["ts"], fp.get("dur"), fp.get("loss"), fp.get("grad_norm"),
                               _i64(fp.get("param_sum")), _i64(fp.get("batch_sum")), fp.get("rng"),
-                              fp.get("n_coll"), fp.get("snapshot")))
+                              fp.get("n_coll"), fp.get("snapshot"), fp.get("watcher_us")))
         for (g, seq), c in sorted(read_colls(out, r).items(), key=lambda kv: kv[1]["ts"]):
             coll_rows.append((r, g, seq, c["op"], c["step"], c.get("numel"), c.get("dtype"), c.get("reduce_op"),
                               _i64(c.get("in_sum")), _i64(c.get("out_sum")), c.get("site"), c["ts"], c.get("dur")))

@@ -224,6 +224,8 @@ TABLES: tuple[Table, ...] = (
         C("rng", "BIGINT", "CRC32 of the CPU generator state."),
         C("n_coll", "INTEGER", "Collectives that completed during the step."),
         C("snapshot", "BOOLEAN", "A fork snapshot was taken at the end of this step."),
+        C("watcher_us", "BIGINT", "Time the rank spent in Watcher's own code during the step (hooks, checksums, "
+          "collective capture, a snapshot's fork), microseconds: what Watcher cost this step."),
     )),
     Table("collective_io", "Every collective through Watcher's process-group wrapper: input and output checksums.", (
         C("rank", "INTEGER", "RANK of the process."),

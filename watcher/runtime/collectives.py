@@ -117,6 +117,7 @@ class WatchedGroup(dist.ProcessGroup):
         rt = self.rt
         if rt.disabled or (rt.mode == "live" and rt.is_paused()):
             return getattr(self.inner, op)(*args)
+        t0 = time.perf_counter_ns()
         try:
             ins, outs = _SIGNATURES[op](args)
             ins, outs = _flat(ins), _flat(outs)
@@ -154,6 +155,7 @@ class WatchedGroup(dist.ProcessGroup):
 
             def retry(error, _op=op, _args=args, _meta=meta, _ins=ins, _saved=saved):
                 return relink.relink(rt, self, _op, _args, _meta, _ins, error, _saved)
+        rt.own_ns += time.perf_counter_ns() - t0
         try:
             work = getattr(self.inner, op)(*args)
         except RuntimeError as e:  # a transport already known dead fails at issue
@@ -167,6 +169,7 @@ class WatchedGroup(dist.ProcessGroup):
             return _done_work(result)
         if rt.disabled:
             return work
+        t0 = time.perf_counter_ns()
         try:
             if any(stage == "collective_output" for stage, _ in rt.fault_hooks):
                 # Drills corrupting an output must do it before anyone reads it:
@@ -178,6 +181,8 @@ class WatchedGroup(dist.ProcessGroup):
         except Exception as e:
             rt.fail(e)
             return work
+        finally:
+            rt.own_ns += time.perf_counter_ns() - t0
 
     def replace_inner(self, new) -> None:
         """Put a rebuilt transport under this wrapper (see relink.py)."""

@@ -71,6 +71,11 @@ class RankRuntime:
         self.snapshots: list = []
         self.retained: list = []      # a persistent incident's snapshot, kept out of rotation for diagnosis
         self.last_end_ns = None
+        # Time the rank spent in Watcher's own code since the last step was
+        # logged (hooks, checksums, captures, snapshots): `watcher_us` per step,
+        # what Watcher costs the job, measured where it is spent.
+        self.own_ns = 0
+        self.hook_t0 = self.fp_perf = 0
         self.step_ns: list[int] = []
         self.handled_seq = 0
         self.replicated = None        # do all ranks hold identical parameters (DDP)?
@@ -181,6 +186,7 @@ class RankRuntime:
             except StopIteration:
                 _guard(lambda rt: rt.seg.put(("batch", idx, END_OF_DATA)))()
                 raise
+        t0 = time.perf_counter_ns()
         try:
             for stage, fn in self.fault_hooks:
                 if stage == "batch":
@@ -192,6 +198,7 @@ class RankRuntime:
                 self.seg.put(("batch", idx, batch), copy=True)  # the user may modify it in place
         except Exception as e:
             self.fail(e)
+        self.own_ns += time.perf_counter_ns() - t0
         return batch
 
     def _skip_known_bad(self, batch):
@@ -224,6 +231,7 @@ class RankRuntime:
         whose transport Watcher can rebuild) runs the collective again after
         a failure and returns its result, or raises."""
         def capture(fut=None):
+            t0 = time.perf_counter_ns()
             try:
                 for stage, fn in self.fault_hooks:
                     if stage == "collective_output":
@@ -246,6 +254,8 @@ class RankRuntime:
                 self.done_colls.append((meta, copies))
             except Exception as e:
                 self.fail(e)
+            finally:
+                self.own_ns += time.perf_counter_ns() - t0
 
         if work is None:
             capture()
@@ -290,6 +300,7 @@ class RankRuntime:
         done.set_result(value)
 
     def on_optimizer_step(self, opt) -> None:
+        self.hook_t0 = time.perf_counter_ns()
         if self.main_opt is None or (opt is not self.main_opt and _n_params(opt) > _n_params(self.main_opt)):
             self.main_opt = opt
         if opt is not self.main_opt:
@@ -313,6 +324,7 @@ class RankRuntime:
         self.step += 1
         k = self.step
         now = time.monotonic_ns()
+        self.fp_perf = time.perf_counter_ns()  # the step's end: what follows is the next step's time
         params = [p for g in self.main_opt.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         gn = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
@@ -362,11 +374,16 @@ class RankRuntime:
                 # What the previous snapshot cost in memory over one interval:
                 # the pages the rank rewrote since, now private to the snapshot.
                 fp["prev_snapshot_private_mb"] = _private_mb(self.snapshots[-2].pid)
+        fp["watcher_us"] = (self.own_ns + self.fp_perf - self.hook_t0) // 1000
+        self.own_ns = 0
         self.seg.put(("step", fp))
         self.steps_log.write(json.dumps(fp) + "\n")
         # Every step reaches the file at once: a rank killed by a signal
         # flushes nothing, and its last steps are what a crash report needs.
         self.flush_logs()
+        # This hook's work after the step's end timestamp (checksums, detection,
+        # a snapshot's fork, logging) falls in the next step's duration.
+        self.own_ns += time.perf_counter_ns() - self.fp_perf
         if open_incident:
             seq = self.ctl.incident_seq
             info = self.ctl.incident(seq)
