@@ -96,7 +96,10 @@ class LibraryProber:
         from it carry their Python stack.  A process whose libpython is not
         mapped yet (just exec'd) is looked at again on the next scan."""
         try:
-            key = (pid, os.readlink(f"/proc/{pid}/exe"))
+            # The image's first mapping moves with every exec (ASLR): a pid that
+            # exec'd another interpreter is looked at afresh.
+            with open(f"/proc/{pid}/maps") as f:
+                key = (pid, os.readlink(f"/proc/{pid}/exe"), f.readline().split("-", 1)[0])
         except OSError:
             return
         if key in self.interpreters:
