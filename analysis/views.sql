@@ -104,8 +104,9 @@ WHERE w.kind = 'wait' AND w.waker_utid IS NOT NULL;
 -- column: error -- cudaError_t name of the return value.
 -- column: failed -- True when the call did not return cudaSuccess.
 -- column: detail -- Decoded arguments.
+-- column: py_site -- The line of the user's Python code that made the call (api_call.py_site).
 SELECT a.ts, a.dur, a.utid, a.upid, p.rank, a.symbol AS call, a.ret_name AS error,
-       a.ret IS NOT NULL AND a.ret <> 0 AS failed, a.detail
+       a.ret IS NOT NULL AND a.ret <> 0 AS failed, a.detail, a.py_site
 FROM api_call a LEFT JOIN process p ON p.upid = a.upid
 WHERE a.library = 'libcudart'
 ORDER BY a.ts;
@@ -120,8 +121,9 @@ ORDER BY a.ts;
 -- column: result -- ncclResult_t name of the return value.
 -- column: failed -- True when the call did not return ncclSuccess.
 -- column: detail -- Decoded arguments (count, datatype, op, comm, stream).
+-- column: py_site -- The line of the user's Python code that made the call (api_call.py_site).
 SELECT a.ts, a.dur, a.utid, a.upid, p.rank, a.symbol AS call, a.ret_name AS result,
-       a.ret IS NOT NULL AND a.ret <> 0 AS failed, a.detail
+       a.ret IS NOT NULL AND a.ret <> 0 AS failed, a.detail, a.py_site
 FROM api_call a LEFT JOIN process p ON p.upid = a.upid
 WHERE a.library = 'libnccl'
 ORDER BY a.ts;

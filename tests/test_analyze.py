@@ -60,8 +60,10 @@ def test_crash_names_the_signal_and_the_last_collective(tmp_path):
     assert report["crashed"]["1"]["exit_signal"] == 11
     assert report["ranks"]["1"]["last_collective"]["seq"] == 2
     assert report["ranks"]["1"]["last_collective"]["op"] == "allreduce"
+    script = ROOT / "tests" / "workloads" / "collectives.py"
+    site = f"{script}:{script.read_text().splitlines().index('        dist.all_reduce(t)') + 1} main"
     text = watcher("analyze", "crash", str(out), check=True).stdout
-    assert "rank 1" in text and "died first, by signal 11, after collective #2 (allreduce)" in text
+    assert "rank 1" in text and f"died first, by signal 11, after collective #2 (allreduce issued at {site})" in text
 
 
 def test_analyze_rejects_bad_input(tmp_path):

@@ -4,8 +4,9 @@
 
 MODE normal: 5 all_reduce (one tensor of 1000 float32), 3 broadcast, 2
 all_gather, 1 barrier.  MODE hang: rank 1 skips the 4th all_reduce and sleeps,
-so rank 0 waits in it.  MODE crash: rank 1 kills itself with SIGSEGV after
-the 3rd all_reduce.
+so rank 0 waits in it.  MODE crash: rank 1 kills itself with SIGSEGV 0.5 s
+after the 3rd all_reduce (time for the recorder to name the code of its Python
+stacks; see README "Known limits").
 """
 
 import os
@@ -29,6 +30,7 @@ def main() -> None:
             os._exit(3)
         dist.all_reduce(t)
         if mode == "crash" and rank == 1 and i == 2:
+            time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGSEGV)
     for _ in range(3):
         dist.broadcast(t, src=0)
