@@ -68,6 +68,11 @@ def test_reference_job_is_bit_identical_and_fully_captured(tmp_path, plain_refer
     # what Watcher cost each step is in the record, and is part of the step (never more than all of it)
     assert query(rec, "SELECT count(*) FROM step WHERE watcher_us IS NULL OR watcher_us <= 0 "
                       "OR (dur IS NOT NULL AND watcher_us * 1000 > dur)") == [(0,)]
+    shares = sorted(us * 1000 / dur for us, dur in query(rec, "SELECT watcher_us, dur FROM step WHERE dur > 0"))
+    report = watcher("report", str(run), check=True).stdout.splitlines()
+    assert report[:2] == [f"2 rank(s), {STEPS} steps, 0 incident(s)",
+                          f"Watcher's own time in the ranks: {100 * shares[len(shares) // 2]:.1f}% of step time "
+                          "(median over steps)"]
 
 
 @needs_bpf

@@ -21,10 +21,10 @@ RANK_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"
 
 def load(recs: Recordings) -> dict:
     _, inc_rows = recs.query("SELECT json FROM incident ORDER BY incident_id")
-    _, step_rows = recs.query("SELECT rank, step, ts, dur, loss, grad_norm FROM step ORDER BY rank, step")
+    _, step_rows = recs.query("SELECT rank, step, ts, dur, loss, grad_norm, watcher_us FROM step ORDER BY rank, step")
     _, coll_rows = recs.query("SELECT rank, group_name, seq, op, step, ts, dur FROM collective_io ORDER BY rank, ts")
     return {"incidents": [json.loads(r[0]) for r in inc_rows],
-            "steps": [dict(zip(("rank", "step", "ts", "dur", "loss", "grad_norm"), r)) for r in step_rows],
+            "steps": [dict(zip(("rank", "step", "ts", "dur", "loss", "grad_norm", "watcher_us"), r)) for r in step_rows],
             "colls": [dict(zip(("rank", "group", "seq", "op", "step", "ts", "dur"), r)) for r in coll_rows]}
 
 
@@ -71,11 +71,20 @@ def describe_prescription(p: dict) -> str:
 
 def text_report(data: dict) -> str:
     ranks = sorted({s["rank"] for s in data["steps"]})
-    steps = max((s["step"] for s in data["steps"]), default=None)
-    out = [f"{len(ranks)} rank(s), {0 if steps is None else steps} steps, {len(data['incidents'])} incident(s)"]
+    steps = len({s["step"] for s in data["steps"]})
+    out = [f"{len(ranks)} rank(s), {steps} steps, {len(data['incidents'])} incident(s)"]
+    cost = own_cost(data["steps"])
+    if cost is not None:
+        out.append(f"Watcher's own time in the ranks: {100 * cost:.1f}% of step time (median over steps)")
     for inc in data["incidents"]:
         out += [""] + incident_lines(inc)
     return "\n".join(out) + "\n"
+
+
+def own_cost(steps: list[dict]) -> float | None:
+    """Median share of a step the rank spent in Watcher's code (step.watcher_us)."""
+    shares = sorted(s["watcher_us"] * 1000 / s["dur"] for s in steps if s.get("watcher_us") is not None and s["dur"])
+    return shares[len(shares) // 2] if shares else None
 
 
 # -- HTML ----------------------------------------------------------------------------------------
