@@ -123,7 +123,7 @@ def test_operator_probes_count_exact_calls(tmp_path):
 # Loads the libraries only after being told the recorder is running, then waits
 # for the probes to be attached to them before calling anything.
 LATE_LOAD = textwrap.dedent(f"""
-    import ctypes, json, sys
+    import ctypes, json, sys, threading
     sys.stdin.readline()                     # recorder is attached
     cudart = ctypes.CDLL({CUDART!r})
     nccl = ctypes.CDLL({NCCL!r})
@@ -135,8 +135,14 @@ LATE_LOAD = textwrap.dedent(f"""
     rc_version = nccl.ncclGetVersion(ctypes.byref(v))
     p = ctypes.c_void_p()
     rc_malloc = cudart.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(1 << 20))
+    free_rc = []
+    def free_from_a_thread():
+        free_rc.append(cudart.cudaFree(None))
+    t = threading.Thread(target=free_from_a_thread)
+    t.start()
+    t.join()
     print(json.dumps({{"count_rc": rc_count, "count": n.value, "version_rc": rc_version,
-                       "version": v.value, "malloc_rc": rc_malloc}}), flush=True)
+                       "version": v.value, "malloc_rc": rc_malloc, "free_rc": free_rc[0]}}), flush=True)
     sys.stdin.readline()                     # lives on until its code objects were read
 """)
 
@@ -181,9 +187,11 @@ def test_cudart_and_nccl_loaded_after_attach_are_probed_with_exact_returns(tmp_p
     assert rows["cudaMalloc"][0] == truth["malloc_rc"]
     [(detail,)] = query(out, "SELECT detail FROM api_call WHERE probe = 'cudaMalloc'")
     assert "size=1048576" in detail
+    assert rows["cudaFree"][0] == truth["free_rc"]
     assert query(out, "SELECT call, error, failed FROM cuda_call ORDER BY ts") == [
         ("cudaGetDeviceCount", "cudaErrorInsufficientDriver", True),
-        ("cudaMalloc", "cudaErrorInsufficientDriver", True)]
+        ("cudaMalloc", "cudaErrorInsufficientDriver", True),
+        ("cudaFree", rows["cudaFree"][1], truth["free_rc"] != 0)]
     assert query(out, "SELECT call, result, failed FROM nccl_call") == [("ncclGetVersion", "ncclSuccess", False)]
     # Each call carries the Python line that made it (`python -c`: file "<string>").
     script = LATE_LOAD.splitlines()
@@ -191,6 +199,10 @@ def test_cudart_and_nccl_loaded_after_attach_are_probed_with_exact_returns(tmp_p
             ("cudaGetDeviceCount", "ncclGetVersion", "cudaMalloc")}
     stacks = dict(query(out, "SELECT probe, py_stack FROM api_call"))
     assert {p: stacks[p] for p in line} == {p: f"<string>:{n} <module>" for p, n in line.items()}
+    # A call from another thread carries that thread's stack (found by its thread id), not the main one's.
+    free_line = 1 + next(i for i, x in enumerate(script) if "cudart.cudaFree(" in x)
+    assert stacks["cudaFree"].splitlines()[0] == f"<string>:{free_line} free_from_a_thread"
+    assert stacks["cudaFree"].splitlines()[1].endswith(" Thread.run")
 
 
 @needs_libs
