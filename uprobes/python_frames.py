@@ -126,7 +126,6 @@ class FrameResolver:
 
     def __init__(self):
         self.codes: dict[tuple[int, int], tuple[str, str, int, bytes] | None] = {}
-        self._fds: dict[int, int] = {}
 
     def learn(self, events) -> None:
         for e in events:
@@ -151,27 +150,14 @@ class FrameResolver:
             out.append("...")
         return out
 
-    def forget(self, pid: int) -> None:
-        fd = self._fds.pop(pid, None)
-        if fd is not None:
-            os.close(fd)
-
-    def close(self) -> None:
-        for pid in list(self._fds):
-            self.forget(pid)
+    def prune(self) -> None:
+        """Drop what was learnt about processes that are gone (their pids come back)."""
+        gone = {pid for pid, _ in self.codes if not os.path.exists(f"/proc/{pid}")}
+        if gone:
+            self.codes = {k: v for k, v in self.codes.items() if k[0] not in gone}
 
     def _mem(self, pid: int, addr: int, n: int) -> bytes | None:
-        fd = self._fds.get(pid)
-        if fd is None:
-            try:
-                fd = self._fds[pid] = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-            except OSError:
-                return None
-        try:
-            data = os.pread(fd, n, addr)
-        except OSError:
-            return None
-        return data if len(data) == n else None
+        return _read(pid, addr, n)
 
     def _read_code(self, pid: int, addr: int):
         head = self._mem(pid, addr, CODE_HEAD)
@@ -323,7 +309,6 @@ def check_layout() -> str | None:
         return "_PyInterpreterFrame.prev_instr / code start"
     r = FrameResolver()
     info = r._read_code(os.getpid(), code)
-    r.close()
     if info != (word.__code__.co_filename, word.__code__.co_qualname, word.__code__.co_firstlineno,
                 word.__code__.co_linetable):
         return "PyCodeObject fields"
