@@ -241,9 +241,15 @@ def test_python_frame_layout_and_line_table_match_this_interpreter():
     interpreter; the line-table decoder against CPython's own positions."""
     import types
 
-    from watcher.uprobes.python_frames import addr_to_line, check_layout
+    from watcher.uprobes.python_frames import addr_to_line, check_layout, user_frame
 
     assert check_layout() is None
+    # the user's line: past the standard library, installed packages and Watcher's own hooks
+    stdlib = os.path.dirname(json.__file__).rsplit("/", 1)[0]
+    assert user_frame([f"{stdlib}/threading.py:975 Thread.run", "<string>:5 f"]) == "<string>:5 f"
+    assert user_frame([f"{ROOT}/watcher/runtime/rank.py:640 backward",
+                       f"{ROOT}/watcher/workloads/ddp_lm.py:171 main"]) == f"{ROOT}/watcher/workloads/ddp_lm.py:171 main"
+    assert user_frame([f"{SITE}/torch/distributed/c10d.py:1 all_reduce", "<frozen runpy>:88 _run_code"]) is None
 
     def codes(co):
         yield co

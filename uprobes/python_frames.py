@@ -246,15 +246,35 @@ def _svarint(b: bytes, i: int) -> tuple[int, int]:
 
 def user_frame(frames: list[str]) -> str | None:
     """The innermost frame in the user's own code: not the standard library,
-    not an installed package, not Watcher."""
+    not an installed package, not Watcher's in-rank runtime (`python -c`
+    code, file "<string>", is the user's)."""
+    own = _own_dirs()
     for f in frames:
         path = f.split(":", 1)[0]
-        if path.startswith("<") or "/site-packages/" in path or "/dist-packages/" in path \
-                or re.search(r"/lib/python3\.\d+/", path) or "/watcher/" in path and "/tests/" not in path:
+        if path in ("?", "") or path.startswith("<frozen") or path.startswith(own) \
+                or "/site-packages/" in path or "/dist-packages/" in path or _STDLIB.search(path):
             continue
-        if path != "?":
-            return f
+        return f
     return None
+
+
+_STDLIB = re.compile(r"/lib/python3\.\d+/")
+_OWN: tuple[str, ...] | None = None
+
+
+def _own_dirs() -> tuple[str, ...]:
+    """Where Watcher's in-rank code lives (its hooks sit between the user's
+    line and the library call)."""
+    global _OWN
+    if _OWN is None:
+        import importlib.util
+
+        dirs = []
+        for name in ("watcher.runtime", "watcher.replay"):
+            spec = importlib.util.find_spec(name)
+            dirs += [os.path.join(d, "") for d in (spec.submodule_search_locations or [])] if spec else []
+        _OWN = tuple(dirs)
+    return _OWN
 
 
 def check_layout() -> str | None:
