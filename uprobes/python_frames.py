@@ -124,8 +124,12 @@ class FrameResolver:
     process lives (`learn`, right after each ring read) and kept by address;
     module-level functions live as long as the process."""
 
+    MAX_REMEMBERED = 100_000
+
     def __init__(self):
         self.codes: dict[tuple[int, int], tuple[str, str, int, bytes] | None] = {}
+        self.frames: dict[tuple[int, int, int], str] = {}      # (pid, code, instr) -> "file:line function"
+        self.stacks: dict[tuple, list[str]] = {}               # whole stacks already named
 
     def learn(self, events) -> None:
         for e in events:
@@ -135,26 +139,46 @@ class FrameResolver:
                     self.codes[(pid, code)] = self._read_code(pid, code)
 
     def describe(self, e) -> list[str]:
-        """`file:line function` per frame, innermost first."""
-        pid, out = int(e["pid"]), []
-        depth = int(e["depth"])
-        for code, instr in zip(e["code"][:depth].tolist(), e["instr"][:depth].tolist()):
-            info = self.codes.get((pid, code))
-            if info is None:
-                out.append(f"?:? <code 0x{code:x}>")
-                continue
-            filename, qualname, first, table = info
-            line = addr_to_line(table, first, instr - code - CODE["code"])
-            out.append(f"{filename}:{line if line is not None else '?'} {qualname}")
+        """`file:line function` per frame, innermost first.  A training loop
+        makes the same calls from the same lines every step: whole stacks and
+        single frames are remembered, so a repeated stack costs one lookup."""
+        pid, depth = int(e["pid"]), int(e["depth"])
+        codes, instrs = e["code"][:depth], e["instr"][:depth]
+        key = (pid, codes.tobytes(), instrs.tobytes(), int(e["more"]))
+        out = self.stacks.get(key)
+        if out is not None:
+            return out
+        out = [self._frame(pid, code, instr) for code, instr in zip(codes.tolist(), instrs.tolist())]
         if int(e["more"]):
             out.append("...")
+        if None not in (self.codes.get((pid, c)) for c in codes.tolist()):  # unnamed frames may be named later
+            if len(self.stacks) >= self.MAX_REMEMBERED:
+                self.stacks.clear()
+            self.stacks[key] = out
         return out
+
+    def _frame(self, pid: int, code: int, instr: int) -> str:
+        key = (pid, code, instr)
+        text = self.frames.get(key)
+        if text is None:
+            info = self.codes.get((pid, code))
+            if info is None:
+                return f"?:? <code 0x{code:x}>"
+            filename, qualname, first, table = info
+            line = addr_to_line(table, first, instr - code - CODE["code"])
+            text = f"{filename}:{line if line is not None else '?'} {qualname}"
+            if len(self.frames) >= self.MAX_REMEMBERED:
+                self.frames.clear()
+            self.frames[key] = text
+        return text
 
     def prune(self) -> None:
         """Drop what was learnt about processes that are gone (their pids come back)."""
         gone = {pid for pid, _ in self.codes if not os.path.exists(f"/proc/{pid}")}
         if gone:
             self.codes = {k: v for k, v in self.codes.items() if k[0] not in gone}
+            self.frames = {k: v for k, v in self.frames.items() if k[0] not in gone}
+            self.stacks = {k: v for k, v in self.stacks.items() if k[0] not in gone}
 
     def _mem(self, pid: int, addr: int, n: int) -> bytes | None:
         return _read(pid, addr, n)
