@@ -250,6 +250,7 @@ def test_python_frame_layout_and_line_table_match_this_interpreter():
     assert user_frame([f"{ROOT}/watcher/runtime/rank.py:640 backward",
                        f"{ROOT}/watcher/workloads/ddp_lm.py:171 main"]) == f"{ROOT}/watcher/workloads/ddp_lm.py:171 main"
     assert user_frame([f"{SITE}/torch/distributed/c10d.py:1 all_reduce", "<frozen runpy>:88 _run_code"]) is None
+    assert user_frame(["/usr/lib64/python3.11/contextlib.py:81 inner", "..."]) is None  # a stack cut at 32 frames
 
     def codes(co):
         yield co

@@ -38,6 +38,9 @@ BPF_RINGBUF_OUTPUT(api_ring, RING_PAGES_API);
  * Filled by the collector (uprobes/python_frames.py), which also passes the
  * struct offsets used below as PY_* defines. */
 BPF_HASH(py_procs, u32, u64, 4096);
+/* tid -> its PyThreadState, checked on every use (a thread state can be
+ * freed and its memory reused): the scan below runs once per thread. */
+BPF_TABLE("lru_hash", u32, u64, py_tstates, 65536);
 BPF_RINGBUF_OUTPUT(pystack_ring, RING_PAGES_PYSTACK);
 
 static __always_inline u64 py_word(u64 addr)
@@ -61,21 +64,28 @@ static __always_inline void api_py_stack(u32 tgid, u32 tid, u64 ts)
     u64 *runtime = py_procs.lookup(&tgid);
     if (!runtime)
         return;
-    u64 interp = py_word(*runtime + PY_RT_INTERP_HEAD);
-    if (!interp)
-        return;
-    u64 t = py_word(interp + PY_IS_THREADS_HEAD), tstate = 0;
-    for (int i = 0; i < PY_THREAD_SCAN; i++) {
-        if (!t)
-            break;
-        if (py_word(t + PY_TS_NATIVE_TID) == tid) {
-            tstate = t;
-            break;
+    u64 tstate = 0;
+    u64 *known = py_tstates.lookup(&tid);
+    if (known && *known && py_word(*known + PY_TS_NATIVE_TID) == tid)
+        tstate = *known;
+    if (!tstate) {
+        u64 interp = py_word(*runtime + PY_RT_INTERP_MAIN);
+        if (!interp)
+            return;
+        u64 t = py_word(interp + PY_IS_THREADS_HEAD);
+        for (int i = 0; i < PY_THREAD_SCAN; i++) {
+            if (!t)
+                break;
+            if (py_word(t + PY_TS_NATIVE_TID) == tid) {
+                tstate = t;
+                break;
+            }
+            t = py_word(t + PY_TS_NEXT);
         }
-        t = py_word(t + PY_TS_NEXT);
+        if (!tstate)
+            return;
+        py_tstates.update(&tid, &tstate);
     }
-    if (!tstate)
-        return;
     u64 cframe = py_word(tstate + PY_TS_CFRAME);
     u64 frame = cframe ? py_word(cframe + PY_CF_CURRENT) : 0;
     if (!frame)

@@ -62,7 +62,7 @@ class LibraryProber:
     loaders: set = field(default_factory=set)
     tensor_layouts: dict = field(default_factory=dict)   # libtorch path -> measured TensorImpl layout
     python_stacks: bool = True       # record the Python stack of each call (python_frames.py)
-    interpreters: dict = field(default_factory=dict)     # (pid, exe) -> _PyRuntime address or None
+    interpreters: dict = field(default_factory=dict)     # (pid, libpython mapping) -> _PyRuntime address or None
 
     def scan(self, pids) -> list[str]:
         """Attach to libraries newly mapped by `pids`; returns new warnings."""
@@ -93,22 +93,32 @@ class LibraryProber:
 
     def _find_interpreter(self, pid: int) -> None:
         """Tell the BPF side where `pid`'s interpreter state lives, so calls
-        from it carry their Python stack.  A process whose libpython is not
-        mapped yet (just exec'd) is looked at again on the next scan."""
+        from it carry their Python stack.  Keyed by where the interpreter
+        is mapped: an exec (a new image, or the same one moved by ASLR)
+        makes the pid be looked at afresh, and a process whose libpython is
+        not mapped yet (just exec'd) is looked at again on the next scan."""
+        from .python_frames import LIBPYTHON, interpreter
+
+        starts: dict[str, str] = {}  # interpreter file -> where its first mapping starts
         try:
-            # The image's first mapping moves with every exec (ASLR): a pid that
-            # exec'd another interpreter is looked at afresh.
             with open(f"/proc/{pid}/maps") as f:
-                key = (pid, os.readlink(f"/proc/{pid}/exe"), f.readline().split("-", 1)[0])
+                for line in f:
+                    parts = line.split()
+                    if len(parts) == 6 and LIBPYTHON.search(parts[5]):
+                        starts.setdefault(parts[5], parts[0].split("-", 1)[0])
         except OSError:
             return
+        where = tuple(sorted(starts.items())) or None
+        key = (pid, where)
         if key in self.interpreters:
             return
-        from .python_frames import interpreter
-
+        if any(k[0] == pid for k in self.interpreters):
+            self.forget(pid)  # exec'd since: the old address means nothing now
+        if where is None:
+            return  # not (yet) a Python process
         addr, note = interpreter(pid)
         if addr is None and "need" not in note:
-            return  # not (yet) a Python process
+            return
         self.interpreters[key] = addr
         if addr is None:
             self.notes.append(f"no Python stacks: {note}")

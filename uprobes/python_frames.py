@@ -11,9 +11,11 @@ How the handler gets from a thread to its frames, for CPython 3.11 on x86_64
 (the interpreter's private structs; `check_layout` verifies every offset below
 against a running 3.11 interpreter, and the test suite runs it):
 
-    _PyRuntime.interpreters.head -> PyInterpreterState
+    _PyRuntime.interpreters.main -> PyInterpreterState
     .threads.head -> PyThreadState, linked by .next; the one whose
-                     native_thread_id is the calling thread's tid
+                     native_thread_id is the calling thread's tid (new
+                     threads go first, so the main thread is last; the
+                     handler remembers each thread's state and checks it)
     .cframe -> _PyCFrame .current_frame -> _PyInterpreterFrame
     frame .f_code (PyCodeObject), .prev_instr (last instruction run: the
                      call), .previous (the caller's frame)
@@ -35,11 +37,11 @@ from .elf_symbols import NotAnElf, defined_symbols
 
 SUPPORTED = (3, 11)
 FRAMES = PY_FRAMES   # frames kept per call, innermost first (bpf/events.h)
-THREAD_SCAN = 48     # threads of one interpreter searched for the caller
+THREAD_SCAN = 128    # thread states searched for the caller (then remembered per thread)
 
 # Offsets in bytes (CPython 3.11, x86_64).
 LAYOUT = {
-    "RT_INTERP_HEAD": 40,      # _PyRuntimeState.interpreters.head
+    "RT_INTERP_MAIN": 48,      # _PyRuntimeState.interpreters.main
     "IS_THREADS_HEAD": 16,     # PyInterpreterState.threads.head
     "TS_NEXT": 8,              # PyThreadState.next
     "TS_CFRAME": 56,           # PyThreadState.cframe
@@ -104,6 +106,10 @@ def _load_base(path: str, ranges: list[tuple[int, int]]) -> int:
 
 
 def _read(pid: int, addr: int, n: int) -> bytes | None:
+    """`n` bytes of `pid`'s memory, or None: addresses come from a live
+    process's memory and may be stale or garbage."""
+    if not 0 < addr < 1 << 47 or not 0 <= n < 1 << 24:
+        return None
     try:
         fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     except OSError:
@@ -111,7 +117,7 @@ def _read(pid: int, addr: int, n: int) -> bytes | None:
     try:
         data = os.pread(fd, n, addr)
         return data if len(data) == n else None
-    except OSError:
+    except (OSError, OverflowError, ValueError):
         return None
     finally:
         os.close(fd)
@@ -174,7 +180,7 @@ class FrameResolver:
 
     def prune(self) -> None:
         """Drop what was learnt about processes that are gone (their pids come back)."""
-        gone = {pid for pid, _ in self.codes if not os.path.exists(f"/proc/{pid}")}
+        gone = {pid for pid in {k[0] for k in list(self.codes)} if not os.path.exists(f"/proc/{pid}")}
         if gone:
             self.codes = {k: v for k, v in self.codes.items() if k[0] not in gone}
             self.frames = {k: v for k, v in self.frames.items() if k[0] not in gone}
@@ -225,7 +231,15 @@ class FrameResolver:
 def addr_to_line(table: bytes, first_line: int, offset: int) -> int | None:
     """The source line of the instruction at byte `offset` of the code,
     from CPython 3.11's location table (Objects/locations.md): entries of
-    1-8 code units (2 bytes each), each moving the line by a delta."""
+    1-8 code units (2 bytes each), each moving the line by a delta.  None
+    where the table says nothing, or is cut short."""
+    try:
+        return _addr_to_line(table, first_line, offset)
+    except IndexError:
+        return None
+
+
+def _addr_to_line(table: bytes, first_line: int, offset: int) -> int | None:
     line, addr, i = first_line, 0, 0
     n = len(table)
     while i < n:
@@ -275,14 +289,14 @@ def user_frame(frames: list[str]) -> str | None:
     own = _own_dirs()
     for f in frames:
         path = f.split(":", 1)[0]
-        if path in ("?", "") or path.startswith("<frozen") or path.startswith(own) \
+        if path in ("?", "", "...") or path.startswith("<frozen") or path.startswith(own) \
                 or "/site-packages/" in path or "/dist-packages/" in path or _STDLIB.search(path):
             continue
         return f
     return None
 
 
-_STDLIB = re.compile(r"/lib/python3\.\d+/")
+_STDLIB = re.compile(r"/lib(64)?/python3\.\d+/")
 _OWN: tuple[str, ...] | None = None
 
 
@@ -316,13 +330,13 @@ def check_layout() -> str | None:
 
     get_ts = ctypes.pythonapi.PyThreadState_Get
     get_ts.restype = ctypes.c_void_p
-    get_is = ctypes.pythonapi.PyInterpreterState_Get
+    get_is = ctypes.pythonapi.PyInterpreterState_Main
     get_is.restype = ctypes.c_void_p
     ts, interp = get_ts(), get_is()
     runtime = ctypes.addressof(ctypes.c_char.in_dll(ctypes.pythonapi, "_PyRuntime"))
     L = LAYOUT
-    if word(runtime + L["RT_INTERP_HEAD"]) != interp:
-        return "_PyRuntime.interpreters.head"
+    if word(runtime + L["RT_INTERP_MAIN"]) != interp:
+        return "_PyRuntime.interpreters.main"
     p, seen = word(interp + L["IS_THREADS_HEAD"]), False
     for _ in range(THREAD_SCAN):
         if not p:

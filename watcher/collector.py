@@ -247,7 +247,8 @@ class Collector:
             if self.ring_window_ns:
                 self._prune_older_than(monotonic_ns() - self.ring_window_ns)
             if self.library_calls is not None and self.stats.flushes % self.RESCAN_EVERY == 0:
-                self.library_calls.frames.prune()
+                with self._poll_lock:  # the drain thread learns into the same caches
+                    self.library_calls.frames.prune()
             if counters:  # running totals ride with the counters: one statement less a second
                 w.set_meta(events=self.stats.total_events, drops=self.stats.total_drops,
                            last_flush_ts=monotonic_ns())
