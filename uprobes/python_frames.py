@@ -186,11 +186,8 @@ class FrameResolver:
             self.frames = {k: v for k, v in self.frames.items() if k[0] not in gone}
             self.stacks = {k: v for k, v in self.stacks.items() if k[0] not in gone}
 
-    def _mem(self, pid: int, addr: int, n: int) -> bytes | None:
-        return _read(pid, addr, n)
-
     def _read_code(self, pid: int, addr: int):
-        head = self._mem(pid, addr, CODE_HEAD)
+        head = _read(pid, addr, CODE_HEAD)
         if head is None:
             return None
         ptr = lambda off: struct.unpack_from("<Q", head, off)[0]  # noqa: E731
@@ -205,7 +202,7 @@ class FrameResolver:
     def _unicode(self, pid: int, addr: int) -> str | None:
         # PyASCIIObject (48 bytes) then the characters when compact and
         # ASCII; PyCompactUnicodeObject (72 bytes) then 1/2/4-byte units.
-        head = self._mem(pid, addr, 48)
+        head = _read(pid, addr, 48)
         if head is None:
             return None
         length = struct.unpack_from("<q", head, 16)[0]
@@ -213,19 +210,19 @@ class FrameResolver:
         kind, compact, ascii_ = (state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1
         if not compact or not 0 <= length < 4096 or kind not in (1, 2, 4):
             return None
-        data = self._mem(pid, addr + (48 if ascii_ else 72), length * kind)
+        data = _read(pid, addr + (48 if ascii_ else 72), length * kind)
         if data is None:
             return None
         return data.decode({1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind], errors="replace")
 
     def _bytes(self, pid: int, addr: int) -> bytes | None:
-        head = self._mem(pid, addr, 32)  # PyBytesObject: ob_size at 16, data at 32
+        head = _read(pid, addr, 32)  # PyBytesObject: ob_size at 16, data at 32
         if head is None:
             return None
         size = struct.unpack_from("<q", head, 16)[0]
         if not 0 <= size < 1 << 20:
             return None
-        return self._mem(pid, addr + 32, size) if size else b""
+        return _read(pid, addr + 32, size) if size else b""
 
 
 def addr_to_line(table: bytes, first_line: int, offset: int) -> int | None:
