@@ -194,7 +194,8 @@ def bench_snapshots_and_replay(tmp: Path, steps: int) -> dict:
     replay_s = [inc["replay"]["per_rank"][r]["wall_s"] for r in sorted(inc["replay"]["per_rank"])]
     return {"fork_ms": [s["fork_ms"] for s in snaps],
             "median_fork_ms": statistics.median(s["fork_ms"] for s in snaps),
-            "snapshot_private_mb": [s["prev_snapshot_private_mb"] for s in snaps if s.get("prev_snapshot_private_mb")],
+            "snapshot_private_mb": [s["prev_snapshot_private_mb"] for s in runtime_steps(run_dir)
+                                if s.get("prev_snapshot_private_mb")],
             "replay_window": w, "replay_steps": w["to_step"] - w["from_step"], "replay_exact": inc["replay"]["exact"],
             "replay_wall_s": replay_s, "live_window_s": round(live_s, 3),
             "replay_over_live": round(max(replay_s) / live_s, 2) if live_s else None}

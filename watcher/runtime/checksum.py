@@ -102,4 +102,4 @@ def object_sum(obj) -> int | None:
 
 
 def rng_digest() -> int:
-    return zlib.crc32(torch.get_rng_state().numpy().tobytes())
+    return zlib.crc32(torch.get_rng_state().numpy())

@@ -91,6 +91,7 @@ class RankRuntime:
         self.abnormal_exit = False    # an uncaught exception is ending the process
         self.modules = None           # id -> module owning the main optimizer's parameters (for a merge)
         self.param_sum = ParamChecksum()
+        self.snapshot_mb: float | None = None  # private MB of the last snapshot measured (step_end)
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
         self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
@@ -373,7 +374,12 @@ class RankRuntime:
             if len(self.snapshots) > 1:
                 # What the previous snapshot cost in memory over one interval:
                 # the pages the rank rewrote since, now private to the snapshot.
-                fp["prev_snapshot_private_mb"] = _private_mb(self.snapshots[-2].pid)
+                # Walking its page tables takes milliseconds: off the step, the
+                # figure rides on a later step's line.
+                threading.Thread(target=self._measure_snapshot, args=(self.snapshots[-2].pid,), daemon=True,
+                                 name="watcher-snapmem").start()
+        if self.snapshot_mb is not None:
+            fp["prev_snapshot_private_mb"], self.snapshot_mb = self.snapshot_mb, None
         fp["watcher_us"] = (self.own_ns + self.fp_perf - self.hook_t0) // 1000
         self.own_ns = 0
         self.seg.put(("step", fp))
@@ -402,6 +408,9 @@ class RankRuntime:
                 if self.resnapshot:  # recovered: the next replay starts from the recovered state
                     self.resnapshot = False
                     self.take_snapshot(k)
+
+    def _measure_snapshot(self, pid: int) -> None:
+        self.snapshot_mb = _private_mb(pid)
 
     def flush_logs(self) -> None:
         self.steps_log.flush()

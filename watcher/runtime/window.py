@@ -27,6 +27,11 @@ from pathlib import Path
 import torch
 
 
+# Records up to this size are written by the caller; larger ones (copies of
+# big collective outputs, large batches) by the writer thread.
+INLINE_BYTES = 256 << 10
+
+
 class SegmentWriter:
     def __init__(self, directory: Path, rank: int, max_bytes: int = 4 << 30):
         self.dir = Path(directory)
@@ -71,15 +76,19 @@ class SegmentWriter:
             self.truncated = False
 
     def put(self, record: tuple, copy: bool = False) -> None:
-        """Queue a record; a writer thread writes it (os.pwritev releases the
-        GIL, so training does not wait for the copy into the page cache).  The
-        thread is woken for every record: a rank killed by a signal loses what
-        is still queued, and a crash replay needs the crashing step's batch
-        and collectives.  A rank that crashes loses at most those records."""
+        """Write a record: small ones at once, large ones through a writer
+        thread (os.pwritev releases the GIL, so training does not wait for
+        the copy into the page cache).  The thread is woken for every large
+        record: a rank killed by a signal loses what is still queued, and a
+        crash replay needs the crashing step's batch and collectives."""
         if self.fd is None:
             return
-        parts = encode(record, copy)
+        parts = encode(record)
         size = sum(len(p) for p in parts) + 2 * _HEAD.size
+        if copy and size > INLINE_BYTES:
+            # Written later by the thread: freeze the tensors' bytes now (the
+            # user may modify them in place meanwhile).
+            parts = parts[:2] + [bytes(p) for p in parts[2:]]
         with self.lock:
             if self.fd is None:
                 return
@@ -89,13 +98,22 @@ class SegmentWriter:
                 self.truncated = True
                 return
             self.bytes += size
+            self.sizes[self.segments[-1][1]] = self.sizes.get(self.segments[-1][1], 0) + size
+            parts = framed(parts, self.tag)
+            offset, self.offset = self.offset, self.offset + size
+            if size <= INLINE_BYTES:
+                # A small record (a batch of token ids, a fingerprint, a
+                # checksum) is written here: one pwritev of a few KB costs less
+                # than waking the writer thread and handing the GIL back and forth.
+                try:
+                    os.pwritev(self.fd, parts, offset)
+                except OSError:
+                    pass
+                return
             if self.thread is None:
                 self.thread = threading.Thread(target=self._write_loop, name="watcher-window", daemon=True)
                 self.thread.start()
-            self.sizes[self.segments[-1][1]] = self.sizes.get(self.segments[-1][1], 0) + size
-            parts = framed(parts, self.tag)
-            self.queue.append((self.fd, self.offset, parts))
-            self.offset += size
+            self.queue.append((self.fd, offset, parts))
             self.wake.notify()
 
     def _write_loop(self) -> None:
