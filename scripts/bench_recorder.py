@@ -61,13 +61,13 @@ def meta(path: Path) -> dict:
         con.close()
 
 
-def window_median_ms(steps: list[dict], lo: int, hi: int) -> float | None:
+def window_median_ms(steps: list[dict], lo: int, hi: int, min_steps: int = 20) -> float | None:
     """Median step time of the steps wholly inside [lo, hi], slower rank."""
     per_rank: dict[int, list[int]] = {}
     for s in steps:
         if s["end"] - s["ns"] >= lo and s["end"] <= hi:
             per_rank.setdefault(s["rank"], []).append(s["ns"])
-    if len(per_rank) < 2 or min(len(v) for v in per_rank.values()) < 20:
+    if len(per_rank) < 2 or min(len(v) for v in per_rank.values()) < min_steps:
         return None
     return max(statistics.median(v) for v in per_rank.values()) / 1e6
 

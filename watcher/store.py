@@ -31,22 +31,6 @@ FUTEX_CMD_NAMES = {
     12: "FUTEX_CMP_REQUEUE_PI", 13: "FUTEX_LOCK_PI2",
 }
 
-# Names by number, as arrays: a flush names thousands of rows with one
-# vectorised lookup (a join per insert cost ~1 ms).
-_SYSCALL_NAMES = np.array([SYSCALL_NAMES.get(i, f"syscall_{i}") for i in range(max(SYSCALL_NAMES) + 1)],
-                          dtype=object)
-_FUTEX_CMDS = np.array([FUTEX_CMD_NAMES.get(i, f"FUTEX_{i}") for i in range(128)], dtype=object)
-
-
-def _names(table: np.ndarray, numbers: np.ndarray, prefix: str) -> np.ndarray:
-    idx = np.asarray(numbers).astype(np.int64)
-    inside = (idx >= 0) & (idx < len(table))
-    out = table[np.where(inside, idx, 0)]
-    if not inside.all():
-        out[~inside] = [f"{prefix}{n}" for n in idx[~inside].tolist()]
-    return out
-
-
 # Ids of two recordings queried together are shifted by this much apiece.
 ID_STRIDE = 1 << 24
 
@@ -71,7 +55,14 @@ class RecordingWriter:
             self.con.execute(stmt)
         for stmt in schema.view_statements():
             self.con.execute(stmt)
-        # Lookup tables live in the temp schema: joined at insert time, never stored.
+        # Lookup tables live in the temp schema: joined at insert time, never
+        # stored.  Names are joined in SQL, not looked up in Python: DuckDB
+        # joins with the GIL released, so the drain thread keeps emptying the
+        # rings (an object array of names held it for every row: storms dropped).
+        self.con.execute("CREATE TEMP TABLE _syscall_name(nr INTEGER, name VARCHAR)")
+        self.con.executemany("INSERT INTO _syscall_name VALUES (?, ?)", list(SYSCALL_NAMES.items()))
+        self.con.execute("CREATE TEMP TABLE _futex_cmd(cmd INTEGER, name VARCHAR)")
+        self.con.executemany("INSERT INTO _futex_cmd VALUES (?, ?)", list(FUTEX_CMD_NAMES.items()))
         self.con.execute("CREATE TEMP TABLE _signal_name(signo INTEGER, name VARCHAR)")
         self.con.executemany("INSERT INTO _signal_name VALUES (?, ?)", list(_signal_names().items()))
         self.next_futex_id = 0
@@ -127,13 +118,13 @@ class RecordingWriter:
         if len(ts) == 0:
             return
         batch = {"ts": ts.astype(np.int64), "dur": dur.astype(np.int64), "utid": utid,
-                 "upid": upid, "nr": nr.astype(np.int32), "name": _names(_SYSCALL_NAMES, nr, "syscall_"),
-                 "ret": ret, "cpu": cpu.astype(np.int32)}
+                 "upid": upid, "nr": nr.astype(np.int32), "ret": ret, "cpu": cpu.astype(np.int32)}
         for i in range(6):
             batch[f"arg{i}"] = np.ascontiguousarray(args[:, i])
         self._insert("syscall", batch,
-                     "SELECT ts, dur, utid, upid, nr, name, ret, arg0, arg1, arg2, arg3, arg4, arg5, cpu "
-                     "FROM _batch")
+                     "SELECT b.ts, b.dur, b.utid, b.upid, b.nr, "
+                     "coalesce(n.name, 'syscall_' || b.nr), b.ret, b.arg0, b.arg1, b.arg2, "
+                     "b.arg3, b.arg4, b.arg5, b.cpu FROM _batch b LEFT JOIN _syscall_name n USING (nr)")
 
     def append_futex(self, ev: np.ndarray, utid, upid, waker_utid) -> None:
         n = len(ev)
@@ -143,18 +134,17 @@ class RecordingWriter:
         self.next_futex_id += n
         batch = {"futex_id": ids, "ts": ev["ts"].astype(np.int64), "dur": ev["dur"].astype(np.int64),
                  "utid": utid, "upid": upid, "kind": ev["kind"].astype(np.int32),
-                 "op": ev["op"].astype(np.int32), "op_name": _names(_FUTEX_CMDS, ev["op"] & 127, "FUTEX_"),
-                 "uaddr": ev["uaddr"],
+                 "op": ev["op"].astype(np.int32), "uaddr": ev["uaddr"],
                  "val": ev["val"].astype(np.int64), "timeout_ns": ev["timeout_ns"],
                  "ret": ev["ret"], "waker_utid": waker_utid, "wake_ts": ev["wake_ts"].astype(np.int64)}
         self._insert("futex", batch,
                      "SELECT b.futex_id, b.ts, b.dur, b.utid, b.upid, "
                      "CASE b.kind WHEN 1 THEN 'wait' ELSE 'wake' END, b.op, "
-                     "b.op_name, b.uaddr, b.val, "
+                     "coalesce(c.name, 'FUTEX_' || (b.op & 127)), b.uaddr, b.val, "
                      "CASE WHEN b.timeout_ns < 0 THEN NULL ELSE b.timeout_ns END, b.ret, "
                      "CASE WHEN b.waker_utid < 0 THEN NULL ELSE b.waker_utid END, "
                      "CASE WHEN b.waker_utid < 0 THEN NULL ELSE b.wake_ts END "
-                     "FROM _batch b")
+                     "FROM _batch b LEFT JOIN _futex_cmd c ON c.cmd = (b.op & 127)")
 
     def append_signals(self, ev: np.ndarray, utid, upid, target_utid) -> None:
         if len(ev) == 0:
@@ -205,11 +195,11 @@ class RecordingWriter:
         if len(stats) == 0:
             return
         batch = {"utid": utid, "upid": upid, "nr": stats["nr"].astype(np.int32),
-                 "name": _names(_SYSCALL_NAMES, stats["nr"], "syscall_"),
                  "count": stats["count"].astype(np.int64), "dur": stats["dur"].astype(np.int64),
                  "logged": stats["logged"].astype(np.int64), "idle": stats["idle"].astype(np.int64)}
         self._insert("syscall_stat", batch,
-                     "SELECT utid, upid, nr, name, count, dur, logged, idle FROM _batch")
+                     "SELECT b.utid, b.upid, b.nr, coalesce(n.name, 'syscall_' || b.nr), b.count, "
+                     "b.dur, b.logged, b.idle FROM _batch b LEFT JOIN _syscall_name n USING (nr)")
 
     def used_bytes(self) -> int:
         """Space the data takes (blocks in use plus the WAL): DuckDB reuses the
