@@ -8,10 +8,12 @@ what the test observed in the process itself.
 import glob
 import json
 import os
+import queue
 import subprocess
 import sys
 import sysconfig
 import textwrap
+import threading
 import time
 
 import pytest
@@ -203,6 +205,70 @@ def test_cudart_and_nccl_loaded_after_attach_are_probed_with_exact_returns(tmp_p
     free_line = 1 + next(i for i, x in enumerate(script) if "cudart.cudaFree(" in x)
     assert stacks["cudaFree"].splitlines()[0] == f"<string>:{free_line} free_from_a_thread"
     assert stacks["cudaFree"].splitlines()[1].endswith(" Thread.run")
+
+
+# Runs in its own mount namespace, where the library sits at a path that on
+# the recorder's side is an empty directory: a container's copy.
+IN_CONTAINER = textwrap.dedent("""
+    import ctypes, sys
+    sys.stdin.readline()                     # recorder is attached
+    cudart = ctypes.CDLL(sys.argv[1])
+    print("loaded", flush=True)
+    sys.stdin.readline()                     # probes attached
+    n = ctypes.c_int(-7)
+    rcs = [cudart.cudaGetDeviceCount(ctypes.byref(n)) for _ in range(3)]
+    print(",".join(map(str, rcs)), flush=True)
+    sys.stdin.readline()
+""")
+
+
+@needs_bpf
+@needs_libs
+def test_a_containers_own_copy_of_a_library_is_probed_through_its_root(tmp_path):
+    """The target maps /…/mnt/libcudart.so.12, which exists only inside its
+    mount namespace (bind-mounted there); on this side that directory is
+    empty.  The probes must go on the file the target mapped, reached
+    through /proc/PID/root, and rows must name the target's path."""
+    lib_dir, mnt = tmp_path / "image", tmp_path / "mnt"
+    lib_dir.mkdir()
+    mnt.mkdir()
+    (lib_dir / "libcudart.so.12").write_bytes(open(CUDART, "rb").read())  # its own inode, not the venv's
+    lib = f"{mnt}/libcudart.so.12"
+    target = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f'mount --bind "{lib_dir}" "{mnt}" && exec "$0" -c "$1" "$2"', sys.executable, IN_CONTAINER, lib],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    out = tmp_path / "ns.duckdb"
+    w = None
+    try:
+        assert not os.path.exists(lib)  # not on this side
+        w = subprocess.Popen([sys.executable, "-m", "watcher.cli", "attach", "--pid", str(target.pid),
+                              "--out", str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        assert "Ctrl-C to stop" in w.stderr.readline()
+        target.stdin.write("go\n")
+        target.stdin.flush()
+        assert target.stdout.readline().strip() == "loaded"
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in w.stderr], daemon=True).start()
+        deadline = time.monotonic() + 30
+        line = ""
+        while not (line.startswith("attached") and " libcudart probes" in line):
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))  # queue.Empty: never attached
+        assert line.strip().endswith(f"libcudart probes to {lib}"), line
+        target.stdin.write("go\n")
+        target.stdin.flush()
+        rcs = [int(x) for x in target.stdout.readline().split(",")]
+        target.stdin.write("go\n")
+        target.stdin.flush()
+        assert target.wait(30) == 0
+        assert w.wait(60) == 0
+    finally:
+        target.kill()
+        if w is not None:
+            w.kill()
+    assert rcs == [35, 35, 35]
+    assert query(out, "SELECT probe, ret, file, count(*) FROM api_call GROUP BY ALL") == [
+        ("cudaGetDeviceCount", 35, lib, 3)]
 
 
 @needs_libs

@@ -2,7 +2,8 @@
 probes to exactly those files.
 
 Resolving from /proc/PID/maps keeps venv, conda and container copies right
-(a probe on a system copy the process never loaded would never fire).  The
+(a probe on a system copy the process never loaded would never fire); a
+container's files are reached through /proc/PID/root.  The
 collector calls `scan` at start and then periodically, so a library loaded
 later (dlopen after attach, NCCL on the first collective) is picked up.
 """
@@ -35,6 +36,19 @@ def _file_key(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino
+
+
+def in_root(pid: int, path: str) -> str:
+    """`pid`'s file at `path`, as this process can open it.  A process in a
+    container (its own mount namespace) maps its own copies: the path names
+    them only inside its root, so they are read and probed through
+    /proc/PID/root, never as whatever this side has at that path."""
+    via = f"/proc/{pid}/root{path}"
+    try:
+        os.stat(via)
+        return via
+    except OSError:  # the process is gone, or /proc/PID/root is not ours to follow
+        return path
 
 
 def mapped_files(pid: int) -> set[str]:
@@ -75,17 +89,18 @@ class LibraryProber:
                 self._find_interpreter(pid)
             for path in mapped_files(pid):
                 if LOADER.search(os.path.basename(path)):
-                    self._watch_loader(path)
+                    self._watch_loader(in_root(pid, path))
                     continue
                 for lib in self.specs:
                     if not lib.file_pattern.search(os.path.basename(path)):
                         continue
-                    key = _file_key(path)
+                    via = in_root(pid, path)
+                    key = _file_key(via)
                     if key is None or key in self.attached_files:
                         continue
                     self.attached_files[key] = path
                     try:
-                        new_warnings += self._attach_library(lib, path)
+                        new_warnings += self._attach_library(lib, path, via)
                     except Exception as e:  # an unreadable or odd library must not stop the recording
                         new_warnings.append(f"cannot probe {path}: {type(e).__name__}: {e}")
         self.warnings += new_warnings
@@ -145,8 +160,11 @@ class LibraryProber:
         except Exception as e:  # bcc raises plain Exception
             self.warnings.append(f"cannot follow library loads through {path}: {str(e).strip()}")
 
-    def _attach_library(self, lib: LibrarySpec, path: str) -> list[str]:
-        found, missing = resolve(lib, path)
+    def _attach_library(self, lib: LibrarySpec, path: str, via: str | None = None) -> list[str]:
+        """Probe `lib` in the file the process maps at `path`, reached here as
+        `via` (see in_root); rows and messages name `path`."""
+        via = via or path
+        found, missing = resolve(lib, path, read_from=via)
         warnings = list(missing)
         before = len(self.slots)
         layout = None
@@ -155,7 +173,7 @@ class LibraryProber:
         if wants_layout:
             from .tensor_layout import cached_layout
 
-            layout = cached_layout(path)
+            layout = cached_layout(via)
             if layout is not None:
                 self.tensor_layouts[path] = layout
         for probe in found:
@@ -174,18 +192,18 @@ class LibraryProber:
             r, c = divmod(slot, 16)
             entry_attached = False
             try:
-                self.bpf.attach_uprobe(name=path.encode(), sym=probe.symbol.encode(),
+                self.bpf.attach_uprobe(name=via.encode(), sym=probe.symbol.encode(),
                                        fn_name=f"api_entry_{r}_{c}".encode())
                 entry_attached = True
                 if not spec.entry_only:
-                    self.bpf.attach_uretprobe(name=path.encode(), sym=probe.symbol.encode(),
+                    self.bpf.attach_uretprobe(name=via.encode(), sym=probe.symbol.encode(),
                                               fn_name=f"api_exit_{r}_{c}".encode())
             except Exception as e:  # bcc raises plain Exception
                 warnings.append(f"cannot attach {probe.display} in {path}: {str(e).strip()}")
                 if entry_attached:
                     # the slot is reused by the next probe: it must not keep firing for this one
                     try:
-                        self.bpf.detach_uprobe(name=path.encode(), sym=probe.symbol.encode())
+                        self.bpf.detach_uprobe(name=via.encode(), sym=probe.symbol.encode())
                     except Exception:
                         self.slots.append(probe)  # cannot free it: keep it labelled correctly
                 continue
@@ -196,13 +214,13 @@ class LibraryProber:
         if wants_layout and layout is None:
             # Measuring takes a torch import (~2 s): the probes fire meanwhile,
             # and numel/dtype appear once the offsets are known.
-            threading.Thread(target=self._measure_layout, args=(path, tensor_slots), daemon=True).start()
+            threading.Thread(target=self._measure_layout, args=(path, via, tensor_slots), daemon=True).start()
         return warnings
 
-    def _measure_layout(self, path: str, slots: list[int]) -> None:
+    def _measure_layout(self, path: str, via: str, slots: list[int]) -> None:
         from .tensor_layout import layout_for
 
-        layout = layout_for(path)
+        layout = layout_for(via)
         if layout is None:
             self.warnings.append(f"tensor layout of {path} not measurable with this watcher's torch: "
                                  "collective numel/dtype left NULL")

@@ -76,14 +76,16 @@ def interpreter(pid: int) -> tuple[int | None, str]:
         if len(parts) == 6 and LIBPYTHON.search(parts[5]):
             start = int(parts[0].split("-")[0], 16)
             files.setdefault(parts[5], []).append((start, int(parts[2], 16)))
+    from .attach import in_root
+
     for path, ranges in files.items():
         try:
-            syms = defined_symbols(path, {"_PyRuntime", "Py_Version"}, objects=True)
+            syms = defined_symbols(in_root(pid, path), {"_PyRuntime", "Py_Version"}, objects=True)
         except (OSError, NotAnElf):
             continue
         if "_PyRuntime" not in syms or "Py_Version" not in syms:
             continue
-        base = _load_base(path, ranges)
+        base = _load_base(in_root(pid, path), ranges)
         raw = _read(pid, base + syms["Py_Version"], 4)
         if raw is None:
             return None, f"cannot read process {pid}'s memory"

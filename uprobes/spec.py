@@ -137,13 +137,15 @@ def _narrow_ops(p: ProbeSpec, op_pattern: str) -> ProbeSpec:
                      p.collective, p.entry_only, p.hint, p.optional, p.python_stack)
 
 
-def resolve(lib: LibrarySpec, path: str) -> tuple[list[ResolvedProbe], list[str]]:
+def resolve(lib: LibrarySpec, path: str, read_from: str | None = None) -> tuple[list[ResolvedProbe], list[str]]:
     """Concrete probes for one mapped library file, and the spec entries that
-    matched nothing there (reported, never silent)."""
+    matched nothing there (reported, never silent).  `read_from` is where
+    this process can read the file when that differs from the path the
+    target maps (a container's /proc/PID/root)."""
     exact = {p.symbol for p in lib.probes if p.symbol}
     hints = {p.hint for p in lib.probes if p.pattern and p.hint}
     unhinted = any(p.pattern and not p.hint for p in lib.probes)
-    symbols = function_symbols(path, exact, hints, everything=unhinted)
+    symbols = function_symbols(read_from or path, exact, hints, everything=unhinted)
     found, missing = [], []
     for p in lib.probes:
         if p.symbol:
