@@ -84,6 +84,14 @@ class RunConfig:
             env["WATCHER_INJECT"] = json.dumps(self.inject)
         else:
             env.pop("WATCHER_INJECT", None)
+        from .runtime import wordsum
+        from .uprobes.tensor_layout import CACHE
+
+        lib = wordsum.build(CACHE)  # one-pass checksums; without it the ranks sum with torch
+        if lib is not None:
+            env[wordsum.ENV] = str(lib)
+        else:
+            env.pop(wordsum.ENV, None)
         return env
 
 

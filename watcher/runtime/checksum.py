@@ -9,18 +9,34 @@ always give equal sums (the check is over bits: -0.0 and 0.0 differ, NaNs compar
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import torch
 
+from .wordsum import LIB
+
 _MASK = (1 << 63) - 1
 _WORD = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Dtypes whose memory is whole 32-bit words: summed by wordsum.c in one pass when it is loaded.
+_WORDS = {torch.float32: 1, torch.int32: 1, torch.float64: 2, torch.int64: 2}
+
+
+def _words(t: torch.Tensor) -> int | None:
+    """How many 32-bit words `t` is, when wordsum.c can read it directly."""
+    if LIB is None or t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
+        return None
+    per = _WORDS.get(t.dtype)
+    return t.numel() * per if per else None
 
 
 def tensor_sum(t: torch.Tensor) -> int:
     t = t.detach()
     if t.numel() == 0:
         return 0
+    n = _words(t)
+    if n is not None:
+        return (LIB.ws_sum(t.data_ptr(), n) * 31 + t.numel()) & _MASK
     flat = t.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -39,6 +55,23 @@ def tensors_sum(ts) -> int:
     for t in ts:
         acc = (acc * 1000003 + tensor_sum(t)) & _MASK
     return acc
+
+
+def clone_with_sum(ts) -> tuple[list, int]:
+    """Copies of `ts` and `tensors_sum(ts)`, reading each tensor once."""
+    copies, acc = [], 0
+    for t in ts:
+        t = t.detach()
+        n = _words(t) if t.numel() else None
+        if n is not None:
+            c = torch.empty_like(t, memory_format=torch.contiguous_format)
+            s = (LIB.ws_copy_sum(c.data_ptr(), t.data_ptr(), n) * 31 + t.numel()) & _MASK
+        else:
+            c = t.clone()
+            s = tensor_sum(c)
+        copies.append(c)
+        acc = (acc * 1000003 + s) & _MASK
+    return copies, acc
 
 
 def params_sum(params: list) -> int:
@@ -63,6 +96,7 @@ class ParamChecksum:
         self.key: list = []
         self.views: list = []
         self.buf = None
+        self.ptrs = self.counts = None  # for wordsum.c: each parameter's address and words
 
     def __call__(self, params: list) -> int:
         key = [(p.data_ptr(), p.dtype, p.numel()) for p in params]
@@ -72,10 +106,17 @@ class ParamChecksum:
                           else None for p in params]
             n = sum(v.numel() if v is not None else p.numel() for v, p in zip(self.views, params))
             self.buf = torch.empty(n, dtype=torch.int32)
+            self.ptrs = self.counts = None
+            if LIB is not None and params and all(v is not None for v in self.views):
+                self.ptrs = (ctypes.c_uint64 * len(params))(*(v.data_ptr() for v in self.views))
+                self.counts = (ctypes.c_uint64 * len(params))(*(v.numel() for v in self.views))
         if not params:
             return 0
         if any(v is None for v in self.views):
             return params_sum(params)
+        if self.ptrs is not None:  # one pass, no concatenation: the same sum as below
+            total = LIB.ws_sum_many(self.ptrs, self.counts, len(params))
+            return (total * 31 + self.buf.numel()) & _MASK
         with torch.no_grad():
             torch.cat(self.views, out=self.buf)
         return tensor_sum(self.buf)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from . import relink
-from .checksum import tensors_sum
+from .checksum import clone_with_sum, tensors_sum
 
 
 def _flat(x) -> list:
@@ -127,16 +127,17 @@ class WatchedGroup(dist.ProcessGroup):
             # A reduction works in place: one aborted halfway (per-operation
             # timeout) has already summed part of its peers' data into its
             # inputs.  A copy taken now lets a retry start from what was issued
-            # (~0.05 ms per MB here).  The checksum then reads the copy, still
-            # in cache, instead of the inputs a second time.
+            # (~0.05 ms per MB here); the checksum is summed while copying.
             relinkable = relink.can_relink(rt, self)
-            saved = [t.detach().clone() for t in ins] if relinkable and op in REDUCED_IN_PLACE else None
+            if relinkable and op in REDUCED_IN_PLACE:
+                saved, in_sum = clone_with_sum(ins)
+            else:
+                saved, in_sum = None, tensors_sum(ins)
             self.seq += 1
             meta = {"group": self.gid, "seq": self.seq, "op": op, "step": rt.step + 1,
                     "numel": sum(t.numel() for t in ins or outs),
                     "dtype": str((ins or outs)[0].dtype).replace("torch.", "") if (ins or outs) else None,
-                    "in_sum": tensors_sum(saved if saved is not None else ins), "site": call_site(),
-                    "ts": time.monotonic_ns()}
+                    "in_sum": in_sum, "site": call_site(), "ts": time.monotonic_ns()}
             red = getattr(args[-1], "reduceOp", None) if args else None
             if red is not None:
                 meta["reduce_op"] = str(getattr(red, "op", red)).split(".")[-1]

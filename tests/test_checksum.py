@@ -1,0 +1,81 @@
+"""The checksums of watcher/runtime/checksum.py: wordsum.c (one pass, built
+here with the system compiler) and the torch fallback must give the same
+value for every tensor, or a replay would disagree with its record."""
+
+import pytest
+import torch
+
+from watcher.runtime import checksum, wordsum
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    built = wordsum.build(tmp_path_factory.mktemp("wordsum"))
+    assert built is not None, "wordsum.c did not build (is gcc installed?)"
+    loaded = wordsum.load(str(built))
+    assert loaded is not None
+    return loaded
+
+
+def tensors():
+    g = torch.Generator().manual_seed(7)
+    out = [torch.randn(n, generator=g) for n in (1, 3, 17, 1000, 1 << 20)]
+    out += [torch.randn(33, 9, generator=g, dtype=torch.float64), torch.randint(-9, 9, (301,), generator=g),
+            torch.randint(-9, 9, (77,), generator=g, dtype=torch.int32), torch.randn(40, 40, generator=g).t(),
+            torch.randn(5, generator=g, dtype=torch.bfloat16), torch.tensor([True, False, True]),
+            torch.randn(6, generator=g, dtype=torch.complex64), torch.empty(0), torch.tensor(-0.0),
+            torch.tensor(float("nan")), torch.full((1 << 16,), -1, dtype=torch.int32)]  # the last wraps
+    return out
+
+
+def bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def with_lib(monkeypatch, value):
+    monkeypatch.setattr(checksum, "LIB", value)
+
+
+def test_wordsum_and_torch_agree_on_every_tensor(lib, monkeypatch):
+    with_lib(monkeypatch, None)
+    expected = [checksum.tensor_sum(t) for t in tensors()]
+    with_lib(monkeypatch, lib)
+    assert [checksum._words(t) is not None for t in tensors()] == \
+        [True] * 8 + [False, False, False, False, True, True, True, True]
+    assert [checksum.tensor_sum(t) for t in tensors()] == expected
+    # A flipped bit changes the sum.
+    t = torch.randn(1000)
+    before = checksum.tensor_sum(t)
+    t.view(torch.int32)[123] ^= 1 << 30
+    assert checksum.tensor_sum(t) != before
+
+
+def test_clone_with_sum_copies_exactly_and_sums_like_tensors_sum(lib, monkeypatch):
+    ts = tensors()
+    with_lib(monkeypatch, None)
+    expected = checksum.tensors_sum(ts)
+    for value in (None, lib):
+        with_lib(monkeypatch, value)
+        copies, total = checksum.clone_with_sum(ts)
+        assert total == expected
+        for c, t in zip(copies, ts):
+            assert c.dtype == t.dtype and c.shape == t.shape and (c.data_ptr() != t.data_ptr() or not t.numel())
+            assert torch.equal(bits(c), bits(t))  # bit for bit: NaNs and -0.0 included
+
+
+def test_parameter_checksum_is_the_same_with_and_without_wordsum(lib, monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 3))
+    params = list(model.parameters())
+    with_lib(monkeypatch, None)
+    expected = checksum.params_sum(params)
+    assert checksum.ParamChecksum()(params) == expected
+    with_lib(monkeypatch, lib)
+    ps = checksum.ParamChecksum()
+    assert ps(params) == expected
+    assert ps.ptrs is not None  # the one-pass path was taken
+    with torch.no_grad():
+        params[2].view(-1)[5] += 1.0  # a change after the views were built is seen
+    with_lib(monkeypatch, None)
+    changed = checksum.params_sum(params)
+    with_lib(monkeypatch, lib)
+    assert changed != expected and ps(params) == changed

@@ -1,0 +1,37 @@
+/* Wrapping sums of 32-bit words, the checksum of watcher/runtime/checksum.py,
+ * in one pass over memory.  torch needs two passes where a copy or a
+ * concatenation comes first (clone then sum; cat then sum); here the words
+ * are summed while they are read.  Compiled by `watcher run` on the node
+ * (wordsum.py); without a compiler the torch path gives the same sums. */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+uint32_t ws_sum(const uint32_t *p, size_t n)
+{
+    uint32_t acc = 0;
+    for (size_t i = 0; i < n; i++)
+        acc += p[i];
+    return acc;
+}
+
+/* Copies n words from src to dst and returns their sum. */
+uint32_t ws_copy_sum(uint32_t *restrict dst, const uint32_t *restrict src, size_t n)
+{
+    uint32_t acc = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t w = src[i];
+        dst[i] = w;
+        acc += w;
+    }
+    return acc;
+}
+
+/* The sum over k buffers: ptrs[i] holds counts[i] words. */
+uint32_t ws_sum_many(const uint64_t *ptrs, const uint64_t *counts, size_t k)
+{
+    uint32_t acc = 0;
+    for (size_t j = 0; j < k; j++)
+        acc += ws_sum((const uint32_t *)(uintptr_t)ptrs[j], counts[j]);
+    return acc;
+}
