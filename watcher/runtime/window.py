@@ -264,26 +264,23 @@ _HEAD = struct.Struct("<QQ")
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, f, tensors: list, copy: bool):
+    def __init__(self, f, tensors: list):
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors = tensors
-        self.copy = copy
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
             t = obj.detach().contiguous()
-            if self.copy and t.data_ptr() == obj.data_ptr():
-                t = t.clone()  # written later by the thread: freeze it now
             self.tensors.append(t)
             return ("t", str(t.dtype).replace("torch.", ""), tuple(t.shape), t.numel() * t.element_size(),
                     t.requires_grad)
         return None
 
 
-def encode(record, copy: bool = False) -> list:
+def encode(record) -> list:
     buf = io.BytesIO()
     tensors: list = []
-    _Pickler(buf, tensors, copy).dump(record)
+    _Pickler(buf, tensors).dump(record)
     head = buf.getvalue()
     parts = [_U64.pack(len(head)), head]
     for t in tensors:
