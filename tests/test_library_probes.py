@@ -88,16 +88,25 @@ OPS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _attach_and_wait_for(target, out, lib, extra=()):
+def _attach_and_wait_for(target, out, lib, extra=()) -> tuple[subprocess.Popen, str]:
+    """`watcher attach` to `target`, once it has attached `lib`'s probes:
+    the recorder and its "attached N lib probes to PATH" line.  Its stderr
+    is read on a thread, so a recorder that never attaches fails the test
+    after 60 s instead of blocking it."""
     w = subprocess.Popen([sys.executable, "-m", "watcher.cli", "attach", "--pid", str(target.pid),
                           "--out", str(out), *extra], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in w.stderr] + [lines.put("")], daemon=True).start()
     seen = ""
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = w.stderr.readline()
+    while True:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
         seen += line
         if line.startswith("attached") and f" {lib} probes" in line:
-            return w
+            return w, line.strip()
         if not line:
             break
     w.kill()
@@ -111,7 +120,7 @@ def test_operator_probes_count_exact_calls(tmp_path):
     out = tmp_path / "ops.duckdb"
     try:
         assert target.stdout.readline().strip() == "ready"
-        w = _attach_and_wait_for(target, out, "libtorch", ("--ops", "mm|add_Tensor"))
+        w, _ = _attach_and_wait_for(target, out, "libtorch", ("--ops", "mm|add_Tensor"))
         target.stdin.write("go\n")
         target.stdin.flush()
         assert target.wait(60) == 0
@@ -211,7 +220,6 @@ def test_cudart_and_nccl_loaded_after_attach_are_probed_with_exact_returns(tmp_p
 # the recorder's side is an empty directory: a container's copy.
 IN_CONTAINER = textwrap.dedent("""
     import ctypes, sys
-    sys.stdin.readline()                     # recorder is attached
     cudart = ctypes.CDLL(sys.argv[1])
     print("loaded", flush=True)
     sys.stdin.readline()                     # probes attached
@@ -242,19 +250,9 @@ def test_a_containers_own_copy_of_a_library_is_probed_through_its_root(tmp_path)
     w = None
     try:
         assert not os.path.exists(lib)  # not on this side
-        w = subprocess.Popen([sys.executable, "-m", "watcher.cli", "attach", "--pid", str(target.pid),
-                              "--out", str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
-        assert "Ctrl-C to stop" in w.stderr.readline()
-        target.stdin.write("go\n")
-        target.stdin.flush()
         assert target.stdout.readline().strip() == "loaded"
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in w.stderr], daemon=True).start()
-        deadline = time.monotonic() + 30
-        line = ""
-        while not (line.startswith("attached") and " libcudart probes" in line):
-            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))  # queue.Empty: never attached
-        assert line.strip().endswith(f"libcudart probes to {lib}"), line
+        w, line = _attach_and_wait_for(target, out, "libcudart")
+        assert line.endswith(f"libcudart probes to {lib}"), line
         target.stdin.write("go\n")
         target.stdin.flush()
         rcs = [int(x) for x in target.stdout.readline().split(",")]
