@@ -43,11 +43,12 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
     rt.flush_logs()
     write_json(inc_dir / f"arrive.rank{rt.rank}.json",
                {"rank": rt.rank, "step": k, "snapshots": [s.step for s in rt.snapshots], "pid": os.getpid(),
-                "unsupported": rt.unsupported})
+                "unsupported": rt.unsupported, "copies": rt.copies.held() if rt.copies is not None else []})
     ctl.arrive(rt.rank, seq, k)
     _say(rt, f"incident {info['incident_id']} ({info['kind']} at step {info['failing_step']}, "
              f"rank {info['rank']}): halted at step {k}, replaying")
     verdict = None
+    result_dir = None
     try:
         # At exit a peer that died first never arrives: do not hold the exit long.
         ctl.wait(lambda: all(ctl.arrived(r)[0] == seq for r in range(rt.world)), 30 if final else WAIT_S,
@@ -58,28 +59,47 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
             ctl.plan_seq = seq
         ctl.wait(lambda: ctl.plan_seq >= seq, WAIT_S, "the replay plan")
         plan = read_json(inc_dir / "plan.json")
-        mine = {"rank": rt.rank, "halted_ns": t_halt}
-        try:
-            if plan.get("from_step") is not None:
-                snap = rt.snapshot_at(plan["from_step"])
-                if snap is None:
-                    mine["error"] = f"snapshot {plan['from_step']} is gone"
+        if plan.get("state_copy") is not None:
+            # First the short window from the newest state copy; it stands
+            # only if it proves itself (copy_outcome), else the fork's window.
+            quick = inc_dir / "from-copy"
+            quick.mkdir(exist_ok=True)
+            _replay_mine(rt, info, plan, quick, t_halt, "-copy")
+            if rt.rank == 0:
+                ctl.wait(lambda: all((quick / f"replayed.rank{r}.json").exists() for r in range(rt.world)),
+                         WAIT_S, "every rank's replay")
+                try:
+                    outcome = copy_outcome(rt, info, plan, quick)
+                except Exception as e:
+                    outcome = {"accepted": False, "reason": f"the verdict failed: {e}"}
+                if outcome["accepted"]:
+                    write_json(rt.run_dir / "incidents" / f"{info['incident_id']}.json", outcome.pop("verdict"))
                 else:
-                    exchange = rt.window_dir / f"exchange-{info['incident_id']}"
-                    exchange.mkdir(exist_ok=True)
-                    mine.update(snap.replay(plan["to_step"], inc_dir, timeout=plan["replay_timeout_s"],
-                                            exchange=exchange))
-        except Exception as e:  # a dead snapshot, a broken pipe: this rank's replay failed, not the job
-            mine["error"] = f"replay failed: {e}"
-        write_json(inc_dir / f"replayed.rank{rt.rank}.json", mine)
+                    outcome.pop("verdict", None)
+                    outcome["plan"] = fallback_plan(rt, plan, outcome["reason"])
+                    write_json(inc_dir / "plan.json", outcome["plan"])
+                write_json(quick / "outcome.json", outcome)
+            ctl.wait(lambda: (quick / "outcome.json").exists(), WAIT_S, "the state copy's verdict")
+            outcome = read_json(quick / "outcome.json")
+            _remove_tree(rt.window_dir / f"exchange-{info['incident_id']}-copy")
+            if outcome["accepted"]:
+                result_dir = quick
+            else:
+                plan = outcome["plan"]
+        if result_dir is None:
+            _replay_mine(rt, info, plan, inc_dir, t_halt)
+            result_dir = inc_dir
+            if rt.rank == 0:
+                ctl.wait(lambda: all((inc_dir / f"replayed.rank{r}.json").exists() for r in range(rt.world)),
+                         WAIT_S, "every rank's replay")
+                try:
+                    verdict = decide(rt, info, plan, inc_dir)
+                except Exception as e:
+                    verdict = unclassified(info, plan, f"the verdict failed: {e}")
+                if plan.get("copy_attempt") and verdict.get("replay") is not None:
+                    verdict["replay"]["copy_attempt"] = plan["copy_attempt"]
+                write_json(rt.run_dir / "incidents" / f"{info['incident_id']}.json", verdict)
         if rt.rank == 0:
-            ctl.wait(lambda: all((inc_dir / f"replayed.rank{r}.json").exists() for r in range(rt.world)),
-                     WAIT_S, "every rank's replay")
-            try:
-                verdict = decide(rt, info, plan, inc_dir)
-            except Exception as e:
-                verdict = unclassified(info, plan, f"the verdict failed: {e}")
-            write_json(rt.run_dir / "incidents" / f"{info['incident_id']}.json", verdict)
             ctl.verdict_seq = seq
         ctl.wait(lambda: ctl.verdict_seq >= seq, WAIT_S, "the verdict")
         verdict = read_json(rt.run_dir / "incidents" / f"{info['incident_id']}.json")
@@ -101,7 +121,7 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
                  + (f" ({verdict['transient_cause']})" if verdict.get("transient_cause") else ""))
     if (verdict and verdict.get("classification") == "transient" and rt.policy in ("recover", "apply")
             and info["kind"] != "replay_check" and not final):
-        recovered = recover(rt, seq, info, plan, inc_dir, t_halt)
+        recovered = recover(rt, seq, info, plan, inc_dir, t_halt, result_dir=result_dir)
     if (verdict and verdict.get("classification") == "persistent" and rt.policy in ("recover", "apply")
             and info["kind"] in DIAGNOSED and not final):
         recovered = diagnose_and_apply(rt, info, plan, inc_dir, t_halt)
@@ -128,6 +148,25 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
         _say(rt, f"stopping after incident {info['incident_id']} (policy {rt.policy})")
         rt.close()
         os._exit(75)
+
+
+def _replay_mine(rt, info: dict, plan: dict, out_dir: Path, t_halt: int, tag: str = "") -> None:
+    """This rank's replay of the plan's window, its outcome in out_dir/replayed.rankN.json."""
+    mine = {"rank": rt.rank, "halted_ns": t_halt}
+    try:
+        start = plan.get("fork_step", plan.get("from_step"))
+        if plan.get("from_step") is not None:
+            snap = rt.snapshot_at(start)
+            if snap is None:
+                mine["error"] = f"snapshot {start} is gone"
+            else:
+                exchange = rt.window_dir / f"exchange-{info['incident_id']}{tag}"
+                exchange.mkdir(exist_ok=True)
+                mine.update(snap.replay(plan["to_step"], out_dir, timeout=plan["replay_timeout_s"],
+                                        exchange=exchange, state_copy=plan.get("state_copy")))
+    except Exception as e:  # a dead snapshot, a broken pipe: this rank's replay failed, not the job
+        mine["error"] = f"replay failed: {e}"
+    write_json(out_dir / f"replayed.rank{rt.rank}.json", mine)
 
 
 def diagnose_and_apply(rt, info: dict, plan: dict, inc_dir: Path, t_halt: int) -> bool:
@@ -216,6 +255,8 @@ def recover(rt, seq: int, info: dict, plan: dict, inc_dir: Path, t_halt: int, re
         for snap in rt.snapshots:
             snap.release()
         rt.snapshots = []
+        if rt.copies is not None:
+            rt.copies.forget()
         rt.resnapshot = True
     return ok
 
@@ -309,10 +350,77 @@ def make_plan(rt, info: dict, inc_dir: Path) -> dict:
     plan = {"failing_step": k, "from_step": v, "to_step": max(k, halt), "reason": None if v is not None else why}
     if v is None:
         return plan
-    window_s = window_seconds(steps[0], v, plan["to_step"])
+    copy = newest_usable_copy(arrivals, steps, v, k) if newest_first else None
+    if copy is not None:
+        plan.update(fork_step=v, from_step=copy, state_copy=copy)
+    return _timed(plan, steps[0])
+
+
+def newest_usable_copy(arrivals: list[dict], steps: list[dict], fork: int, failing: int) -> int | None:
+    """The newest state copy every rank holds, after the fork snapshot it is
+    loaded into, verified, and at least two steps before the failing step:
+    the step after the copy must replay before the failure, as recorded,
+    for the copy's window to be trusted (copy_outcome)."""
+    common = set(arrivals[0].get("copies") or [])
+    for a in arrivals[1:]:
+        common &= set(a.get("copies") or [])
+    for c in sorted(common, reverse=True):
+        if fork < c <= failing - 2 and verified(steps, c):
+            return c
+    return None
+
+
+def _timed(plan: dict, steps: dict) -> dict:
+    window_s = window_seconds(steps, plan["from_step"], plan["to_step"])
     plan["replay_timeout_s"] = max(60.0, 20 * window_s)
     plan["window_wall_s"] = round(window_s, 3)
     return plan
+
+
+def fallback_plan(rt, plan: dict, reason: str) -> dict:
+    """The fork snapshot's whole window, after a state copy's replay did not stand."""
+    out = {k: v for k, v in plan.items() if k not in ("fork_step", "state_copy")}
+    out["from_step"] = plan["fork_step"]
+    out["copy_attempt"] = {"from_step": plan["from_step"], "rejected": reason}
+    return _timed(out, read_steps(rt.run_dir, 0))
+
+
+def copy_outcome(rt, info: dict, plan: dict, out_dir: Path) -> dict:
+    """Does the replay from a state copy stand as the incident's replay?
+
+    The copy carries the training state but not the program's own Python
+    state, which is the fork's.  So the replay stands only when every rank
+    re-executed the first step after the copy exactly as recorded (its
+    fingerprint and its collectives' inputs), which that step, being before
+    the failing step, must; and only for a transient verdict: a persistent
+    failure is confirmed and diagnosed from the fork snapshot itself, whose
+    state is the live rank's whole state."""
+    verdict = decide(rt, info, plan, out_dir)
+    first = plan["from_step"] + 1
+    reason = None
+    for r in range(rt.world):
+        try:
+            res = torch.load(out_dir / f"rank{r}.result.pt", weights_only=False)
+        except Exception:
+            reason = f"rank {r}'s replay from the copy left no result"
+            break
+        fp = res.get("steps", {}).get(first)
+        if res.get("status") != "done":
+            reason = f"rank {r}'s replay from the copy ended with {res.get('status')}: " \
+                     f"{((res.get('error') or '').strip().splitlines() or [''])[-1]}"
+        elif fp is None or not fp["match"]:
+            reason = f"rank {r} did not replay step {first} as recorded ({', '.join(fp['diff']) if fp else 'missing'})"
+        elif not all(c["match"] for c in res["colls"] if c["step"] == first):
+            reason = f"rank {r}'s collective inputs at step {first} differ from the record"
+        if reason:
+            break
+    if reason is None and verdict.get("classification") != "transient":
+        reason = f"classified {verdict.get('classification')}: confirmed from the fork snapshot"
+    if reason is None and rt.policy in ("recover", "apply") and not (verdict.get("recovery") or {}).get("possible"):
+        reason = f"not recoverable from the copy: {(verdict.get('recovery') or {}).get('reason')}"
+    if reason is None:
+        verdict["replay"]["state_copy"] = {"step": plan["state_copy"], "fork_step": plan["fork_step"]}
+    return {"accepted": reason is None, "reason": reason, "verdict": verdict}
 
 
 def find_stall(rt, plan: dict) -> dict | None:

@@ -130,14 +130,17 @@ class ForkSnapshot:
         return cls(pid, k, cmd_w, resp_r, fork_ns, rt.run_dir, rt.rank)
 
     def replay(self, to_step: int, out_dir: Path, timeout: float = 300.0,
-               exchange: Path | None = None, variant: dict | None = None) -> dict:
+               exchange: Path | None = None, variant: dict | None = None, state_copy: int | None = None) -> dict:
         """Re-execute steps step+1..to_step in a sandboxed child; returns how it ended.
         With `exchange` (a directory shared by every rank's replay of this
         window) the replay is coordinated: collectives are computed from the
         replayed inputs of all ranks instead of answered from the record.
-        `variant` makes it a counterfactual replay (variants.py)."""
+        `variant` makes it a counterfactual replay (variants.py).  With
+        `state_copy` (a step) the replay starts from that step's state copy
+        (state_copy.py) instead of the snapshot's own state."""
         out_dir.mkdir(parents=True, exist_ok=True)
         order = replay_order(self.rank, to_step, out_dir, exchange, timeout, variant)
+        order["state_copy"] = state_copy
         t0 = time.monotonic()
         os.write(self.cmd_w, (json.dumps(order) + "\n").encode())
         reply = _read_reply(self.resp_r, timeout)
@@ -442,12 +445,14 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
         xfd = os.open(exchange_path(order["exchange"], rt.rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         state.exchange = Exchange(Path(order["exchange"]), rt.rank, rt.world, xfd)
         allowed.add(xfd)
+    if order.get("state_copy") is not None:
+        _load_copy(rt, state, window, order["state_copy"])
     listener, inherited = sandbox.install(allowed)
     os.write(listener_w, (json.dumps({"listener": listener, "inherited": inherited}) + "\n").encode())
     os.close(listener_w)
     state.inherited_fds = inherited
-    state.setup_ms = {"window_load": round((t_window - t_fork) / 1e6, 1),
-                      "sandbox": round((time.monotonic_ns() - t_window) / 1e6, 1)}
+    state.setup_ms.update(window_load=round((t_window - t_fork) / 1e6, 1),
+                          sandbox=round((time.monotonic_ns() - t_window) / 1e6, 1))
     if state.variant:
         from . import variants
 
@@ -457,3 +462,24 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
     rt.disabled = False
     sys.excepthook = state.on_exception
     threading.excepthook = lambda a: state.on_exception(a.exc_type, a.exc_value, a.exc_traceback)
+
+
+def _load_copy(rt, state, window, step: int) -> None:
+    """Move this replay child from the snapshot's step to a later state copy,
+    and check the copy against the parameter checksum recorded at that step."""
+    from ..runtime.checksum import params_sum
+    from .state_copy import CopyUnusable
+
+    t0 = time.monotonic_ns()
+    try:
+        if rt.copies is None:
+            raise CopyUnusable("this snapshot has no state copies")
+        rt.copies.load(rt, step)
+    except CopyUnusable as e:
+        state.finish("copy_unusable", str(e))
+    want = (window.steps.get(step) or {}).get("param_sum")
+    got = params_sum([p for g in rt.main_opt.param_groups for p in g["params"]])
+    if want is None or got != want:
+        state.finish("copy_unusable", f"the copy of step {step} has parameter checksum {got}, the record {want}")
+    state.from_step = rt.step
+    state.setup_ms["state_copy"] = round((time.monotonic_ns() - t0) / 1e6, 1)

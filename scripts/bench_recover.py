@@ -64,6 +64,8 @@ def watcher_once(tmp: Path, steps: int, fault_step: int, interval: int | None) -
     end = steps0[resumed]["ts"]
     return {"exit_code": res.exit_code, "recovered": inc["recovered"], "steps_lost": inc["steps_lost"],
             "detected_step": inc["detected_step"], "window": inc["window"],
+            "state_copy": (inc.get("replay") or {}).get("state_copy"),
+            "copy_attempt": (inc.get("replay") or {}).get("copy_attempt"),
             "detect_to_resume_s": round((end - inc["detected_ts"]) / 1e9, 3),
             "recovery_phases_s": {"detect_to_merged": inc["recovery"]["detect_to_resume_s"],
                                   "halt_to_merged": inc["recovery"]["halt_to_resume_s"]},

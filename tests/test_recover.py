@@ -19,15 +19,17 @@ RANK_PROCESSES = ("SELECT p.rank, p.pid, p.exit_code FROM process p LEFT JOIN pr
                   "ON parent.upid = p.parent_upid WHERE p.rank IS NOT NULL AND parent.rank IS NULL ORDER BY p.rank")
 
 
-def run_with(tmp: Path, faults, *cmd: str, detect=None) -> subprocess.CompletedProcess:
+def run_with(tmp: Path, faults, *cmd: str, detect=None, snapshot_interval=4, copy_interval=0) -> subprocess.CompletedProcess:
     """`watcher run` with drill faults: only the library API injects them
-    (the CLI never passes a stray WATCHER_INJECT on to a job)."""
+    (the CLI never passes a stray WATCHER_INJECT on to a job).  Fixed
+    intervals, so the test knows the window; no state copies unless asked."""
     code = ("import json, sys; from pathlib import Path; from watcher.run import RunConfig, run; "
             "a = json.loads(sys.argv[1]); "
-            "r = run(RunConfig(cmd=a['cmd'], out=Path(a['out']), snapshot_interval=4, inject=a['faults'], "
-            "detect=a['detect'], quiet=True)); "
+            "r = run(RunConfig(cmd=a['cmd'], out=Path(a['out']), snapshot_interval=a['si'], "
+            "copy_interval=a['ci'], inject=a['faults'], detect=a['detect'], quiet=True)); "
             "sys.exit(r.exit_code)")
-    arg = json.dumps({"cmd": list(cmd), "out": str(tmp / "run"), "faults": faults, "detect": detect or {}})
+    arg = json.dumps({"cmd": list(cmd), "out": str(tmp / "run"), "faults": faults, "detect": detect or {},
+                      "si": snapshot_interval, "ci": copy_interval})
     return subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
@@ -63,6 +65,49 @@ def test_bitflip_recovers_in_place_with_no_step_lost(tmp_path, plain_reference):
     assert query(rec, f"SELECT path, writes, count(*) FROM file_open WHERE regexp_matches(path, "
                       f"'[.](pt|pth|ckpt|safetensors|bin)$') AND path NOT LIKE '{run}/%' "
                       f"AND path NOT LIKE '%/site-packages/%' GROUP BY ALL") == [(str(tmp_path / "w.pt"), True, 1)]
+
+
+@needs_bpf
+def test_a_fault_between_snapshots_is_replayed_from_the_newest_state_copy(tmp_path, plain_reference):
+    # Forks at 8 and 16, state copies every 2 steps in between: the fault at
+    # step 13 replays from the copy of step 10 (the newest with a step to
+    # check it against before the failure), not from the fork at 8.
+    p = run_with(tmp_path, dict(FAULT, step=13), *reference(tmp_path / "w.pt"), snapshot_interval=8,
+                 copy_interval=2)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "w.pt.sha256").read_text() == plain_reference
+    run = tmp_path / "run"
+    inc = json.loads((run / "incidents" / "inc-0001.json").read_text())
+    assert (inc["classification"], inc["recovered"], inc["resumed_at_step"], inc["steps_lost"]) == \
+        ("transient", True, 15, 0)
+    assert inc["window"] == {"from_step": 10, "to_step": 14}
+    assert inc["replay"]["state_copy"] == {"step": 10, "fork_step": 8}
+    assert inc["replay"]["first_divergence"]["rank"] == 1 and inc["replay"]["first_divergence"]["step"] == 13
+    assert inc["replay"]["per_rank"]["0"]["steps"] == 4  # steps 11..14
+    assert json.loads((run / "incidents" / "inc-0001" / "plan.json").read_text())["state_copy"] == 10
+    rec = run / "recording.duckdb"
+    assert query(rec, "SELECT rank, count(DISTINCT step) FROM step GROUP BY 1 ORDER BY 1") == [(0, STEPS), (1, STEPS)]
+
+
+@needs_bpf
+def test_a_program_state_no_copy_carries_is_replayed_from_the_fork_instead(tmp_path):
+    # The job scales its loss by its own loop counter, a local a state copy
+    # does not hold: the copy's replay must be caught at its first step and
+    # the window replayed from the fork, still recovering bit-identically.
+    script = str(ROOT / "tests" / "workloads" / "loop_state.py")
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, "--steps=20"]
+    plain([sys.executable, *cmd, f"--save={tmp_path / 'plain.sha'}"], tmp_path)
+    p = run_with(tmp_path, dict(FAULT, step=13), sys.executable, *cmd, f"--save={tmp_path / 'w.sha'}",
+                 snapshot_interval=8, copy_interval=2)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "w.sha").read_text() == (tmp_path / "plain.sha").read_text()
+    inc = json.loads((tmp_path / "run" / "incidents" / "inc-0001.json").read_text())
+    assert (inc["classification"], inc["recovered"], inc["steps_lost"]) == ("transient", True, 0)
+    attempt = inc["replay"]["copy_attempt"]
+    assert attempt["from_step"] == 10
+    assert "did not replay step 11 as recorded" in attempt["rejected"]
+    assert inc["window"] == {"from_step": 8, "to_step": 14}
+    assert "state_copy" not in inc["replay"]
 
 
 @needs_bpf

@@ -258,6 +258,8 @@ def run(
                                "samples, adjust lr/clipping, move off bad CPUs; then go on)."),
     snapshot_budget: float = typer.Option(1.0, help="Snapshot cost budget, percent of step time; sets the snapshot interval."),
     snapshot_interval: Optional[int] = typer.Option(None, help="Fixed snapshot interval in steps (overrides the budget)."),
+    copy_interval: Optional[int] = typer.Option(None, help="Fixed interval in steps of the state copies taken between "
+                                                "snapshots, which shorten replay windows (0: none; default: half the budget)."),
     detect: list[str] = typer.Option([], help="Detector setting KEY=VALUE (repeatable), e.g. loss_spike_z=10, hang_seconds=60."),
     replay_check: Optional[int] = typer.Option(None, help="At this step, replay the window on purpose and report whether it matches the record exactly."),
     retain: float = typer.Option(300.0, help="Seconds a persistent incident's frozen snapshots outlive the run, for "
@@ -268,7 +270,7 @@ def run(
 
     cfg = RunConfig(cmd=list(cmd), out=Path(out) if out else Path(f"watcher-run-{time.strftime('%Y%m%d-%H%M%S')}"),
                     policy=policy, snapshot_budget=snapshot_budget, snapshot_interval=snapshot_interval,
-                    detect=parse_detect(detect), replay_check=replay_check, retain_s=retain)
+                    copy_interval=copy_interval, detect=parse_detect(detect), replay_check=replay_check, retain_s=retain)
     result = run_job(cfg)
     print(f"Run directory {result.out}: {result.steps} steps recorded, {len(result.incidents)} incident(s). "
           f"Query: watcher sql {result.out / 'recording.duckdb'} \"SELECT * FROM step\"", file=sys.stderr)

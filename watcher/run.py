@@ -45,6 +45,7 @@ class RunConfig:
     policy: str = "recover"
     snapshot_budget: float = 1.0        # percent of step time
     snapshot_interval: int | None = None
+    copy_interval: int | None = None    # state copies between snapshots: None adapts to the budget, 0 is off
     detect: dict = field(default_factory=dict)
     inject: dict | list | None = None   # drills only: one fault or several
     replay_check: int | None = None     # replay the window ending at this step, healthy or not
@@ -60,6 +61,8 @@ class RunConfig:
             raise UsageError("--snapshot-budget is a percentage of step time, in (0, 100]")
         if self.snapshot_interval is not None and self.snapshot_interval < 1:
             raise UsageError("--snapshot-interval must be at least 1 step")
+        if self.copy_interval is not None and self.copy_interval < 0:
+            raise UsageError("--copy-interval is a number of steps (0 turns state copies off)")
         if not 0 <= self.retain_s <= 86400:
             raise UsageError("--retain is in seconds, from 0 (keep nothing) to 86400")
 
@@ -74,6 +77,10 @@ class RunConfig:
         env["WATCHER_RETAIN_S"] = str(self.retain_s)
         if self.snapshot_interval:
             env["WATCHER_SNAPSHOT_INTERVAL"] = str(self.snapshot_interval)
+        if self.copy_interval is not None:
+            env["WATCHER_COPY_INTERVAL"] = str(self.copy_interval)
+        else:
+            env.pop("WATCHER_COPY_INTERVAL", None)
         if self.replay_check is not None:
             env["WATCHER_REPLAY_CHECK"] = str(self.replay_check)
         else:

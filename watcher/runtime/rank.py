@@ -99,7 +99,16 @@ class RankRuntime:
         from ..replay.snapshot import SnapshotPolicy
 
         self.detectors = Detectors.from_env()
-        self.snap_policy = SnapshotPolicy(_env_float("WATCHER_SNAPSHOT_BUDGET", 1.0) / 100.0)
+        budget = _env_float("WATCHER_SNAPSHOT_BUDGET", 1.0) / 100.0
+        # State copies between forks (replay/state_copy.py) share the budget
+        # with the forks: half each.  WATCHER_COPY_INTERVAL=0 turns them off.
+        self.copy_off = os.environ.get("WATCHER_COPY_INTERVAL") == "0"
+        self.copies = None            # replay.state_copy.StateCopies, made before the first fork
+        self.snap_policy = SnapshotPolicy(budget if self.copy_off else budget / 2)
+        if not self.copy_off:
+            from ..replay.state_copy import CopyPolicy
+
+            self.copy_policy = CopyPolicy(budget / 2)
         self._lock = threading.Lock()
 
     # -- fail open -----------------------------------------------------------------------
@@ -363,7 +372,12 @@ class RankRuntime:
             incident.update(rank=self.rank, halt_step=k + 1, detected_ts=fp["ts"], unsupported=self.unsupported)
             self.ctl.open_incident(incident)
         open_incident = self.ctl.incident_seq > self.handled_seq
-        if not open_incident and self.unsupported is None and self.snap_policy.due(k, self):
+        fork_due = not open_incident and self.unsupported is None and self.snap_policy.due(k, self)
+        if (not fork_due and not open_incident and self.copies is not None and self.snapshots
+                and self.copies.off_reason is None and self.copy_policy.due(k, self, self.copies)):
+            if self.copies.take(self, k):
+                fp["state_copy_us"] = self.copies.last_ns // 1000
+        if fork_due:
             self.take_snapshot(k)
             if self.mode != "live":
                 return  # a replay child, woken from this snapshot: back to the training loop
@@ -451,6 +465,10 @@ class RankRuntime:
             from ..replay.merge import modules_holding
 
             self.modules = modules_holding([p for g in self.main_opt.param_groups for p in g["params"]])
+        if self.copies is None and not self.copy_off and self.main_opt is not None:
+            from ..replay.state_copy import StateCopies
+
+            self.copies = StateCopies(self)  # before the fork: every snapshot shares the slots
         snap = ForkSnapshot.take(self, k)
         if snap is None:
             return  # we are a replay child, returning into the training loop
