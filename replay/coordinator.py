@@ -285,28 +285,55 @@ def _say(rt, msg: str) -> None:
         print(f"watcher: {msg}", file=sys.stderr, flush=True)
 
 
-def _read_jsonl(path: Path, key) -> dict:
-    """A rank's JSON-lines log keyed by key(record); a line still being written is skipped."""
-    out = {}
+TAIL_BLOCK = 1 << 20
+
+
+def _read_jsonl(path: Path, key, since: int | None = None) -> dict:
+    """A rank's JSON-lines log keyed by key(record); a line still being written
+    is skipped.  With `since` (a step) only the log's tail back to that step
+    is read: an incident needs the last snapshot interval, not a long run's
+    whole history (100k steps are tens of MB of JSON, seconds to parse)."""
     try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                out[key(rec)] = rec
+        with open(path, "rb") as f:
+            if since is None:
+                data = f.read()
+            else:
+                end = f.seek(0, os.SEEK_END)
+                start = end
+                while start > 0:
+                    start = max(0, start - TAIL_BLOCK)
+                    f.seek(start)
+                    head = f.readline() if start else b""  # a partial first line
+                    line = f.readline()
+                    try:
+                        first = json.loads(line).get("step")
+                    except ValueError:
+                        first = None
+                    # A margin: recovered steps are logged again later, out of order.
+                    if first is not None and first < since - 64:
+                        break
+                f.seek(start)
+                if start:
+                    f.readline()
+                data = f.read(end - f.tell())
     except OSError:
-        pass
+        return {}
+    out = {}
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        out[key(rec)] = rec
     return out
 
 
-def read_steps(run_dir: Path, rank: int) -> dict[int, dict]:
-    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.steps.jsonl", lambda fp: fp["step"])
+def read_steps(run_dir: Path, rank: int, since: int | None = None) -> dict[int, dict]:
+    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.steps.jsonl", lambda fp: fp["step"], since)
 
 
-def read_colls(run_dir: Path, rank: int) -> dict[tuple, dict]:
-    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.colls.jsonl", lambda c: (c["group"], c["seq"]))
+def read_colls(run_dir: Path, rank: int, since: int | None = None) -> dict[tuple, dict]:
+    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.colls.jsonl", lambda c: (c["group"], c["seq"]), since)
 
 
 def window_seconds(steps: dict, from_step: int, to_step: int) -> float:
@@ -331,7 +358,8 @@ def verified(steps: list[dict], step: int) -> bool:
 def make_plan(rt, info: dict, inc_dir: Path) -> dict:
     world, k = rt.world, info["failing_step"]
     arrivals = [read_json(inc_dir / f"arrive.rank{r}.json") for r in range(world)]
-    steps = [read_steps(rt.run_dir, r) for r in range(world)]
+    held = [s for a in arrivals for s in a["snapshots"] + (a.get("copies") or [])]
+    steps = [read_steps(rt.run_dir, r, since=min(held) if held else None) for r in range(world)]
     common = held_by_all(arrivals)
     v, why = None, "no snapshot before the failing step is held by every rank"
     refused = [a["unsupported"] for a in arrivals if a.get("unsupported")]
@@ -382,7 +410,7 @@ def fallback_plan(rt, plan: dict, reason: str) -> dict:
     out = {k: v for k, v in plan.items() if k not in ("fork_step", "state_copy")}
     out["from_step"] = plan["fork_step"]
     out["copy_attempt"] = {"from_step": plan["from_step"], "rejected": reason}
-    return _timed(out, read_steps(rt.run_dir, 0))
+    return _timed(out, read_steps(rt.run_dir, 0, since=out["from_step"]))
 
 
 def copy_outcome(rt, info: dict, plan: dict, out_dir: Path) -> dict:
@@ -395,15 +423,11 @@ def copy_outcome(rt, info: dict, plan: dict, out_dir: Path) -> dict:
     the failing step, must; and only for a transient verdict: a persistent
     failure is confirmed and diagnosed from the fork snapshot itself, whose
     state is the live rank's whole state."""
-    verdict = decide(rt, info, plan, out_dir)
+    results = load_results(out_dir, rt.world)
+    verdict = decide(rt, info, plan, out_dir, results)
     first = plan["from_step"] + 1
     reason = None
-    for r in range(rt.world):
-        try:
-            res = torch.load(out_dir / f"rank{r}.result.pt", weights_only=False)
-        except Exception:
-            reason = f"rank {r}'s replay from the copy left no result"
-            break
+    for r, res in enumerate(results):
         fp = res.get("steps", {}).get(first)
         if res.get("status") != "done":
             reason = f"rank {r}'s replay from the copy ended with {res.get('status')}: " \
@@ -425,7 +449,7 @@ def copy_outcome(rt, info: dict, plan: dict, out_dir: Path) -> dict:
 
 def find_stall(rt, plan: dict) -> dict | None:
     """The collective that waited longest in the window, and the rank that entered it last."""
-    colls = [read_colls(rt.run_dir, r) for r in range(rt.world)]
+    colls = [read_colls(rt.run_dir, r, since=plan.get("from_step")) for r in range(rt.world)]
     lo, hi = (plan.get("from_step") or -1), plan["failing_step"]
     best = None
     for key, c in colls[0].items():
@@ -459,16 +483,21 @@ def unclassified(info: dict, plan: dict, reason: str) -> dict:
                         info.get("detail"), plan.get("from_step"), plan.get("to_step"), reason)
 
 
-def decide(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
-    world = rt.world
-    replayed = [read_json(inc_dir / f"replayed.rank{r}.json") for r in range(world)]
+def load_results(inc_dir: Path, world: int) -> list[dict]:
+    """Every rank's replay result (steps, collectives, the end state)."""
     results = []
     for r in range(world):
-        p = inc_dir / f"rank{r}.result.pt"
         try:
-            results.append(torch.load(p, weights_only=False))
+            results.append(torch.load(inc_dir / f"rank{r}.result.pt", weights_only=False))
         except Exception:
             results.append({"rank": r, "status": "no_result"})
+    return results
+
+
+def decide(rt, info: dict, plan: dict, inc_dir: Path, results: list[dict] | None = None) -> dict:
+    world = rt.world
+    replayed = [read_json(inc_dir / f"replayed.rank{r}.json") for r in range(world)]
+    results = results if results is not None else load_results(inc_dir, world)
     if plan.get("from_step") is None:
         return unclassified(info, plan, plan.get("reason"))
     verdict = unclassified(info, plan, "")
@@ -571,7 +600,7 @@ def recoverable(rt, plan: dict, results: list[dict]) -> dict:
     for r, res in enumerate(results):
         # Each rank's replayed losses against that rank's own recorded history.
         detectors = copy.deepcopy(rt.detectors)
-        recorded = read_steps(rt.run_dir, r)
+        recorded = read_steps(rt.run_dir, r, since=plan["failing_step"] - detectors.loss_spike_window - 1)
         detectors.history = [recorded[s]["loss"] for s in sorted(recorded) if s < plan["failing_step"]
                              and recorded[s].get("loss") is not None and math.isfinite(recorded[s]["loss"])
                              ][-detectors.loss_spike_window:]

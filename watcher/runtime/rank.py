@@ -101,14 +101,17 @@ class RankRuntime:
         self.detectors = Detectors.from_env()
         budget = _env_float("WATCHER_SNAPSHOT_BUDGET", 1.0) / 100.0
         # State copies between forks (replay/state_copy.py) share the budget
-        # with the forks: half each.  WATCHER_COPY_INTERVAL=0 turns them off.
+        # with the forks, two thirds to the copies: the copy interval sets
+        # the replay window of a transient, the fork interval only that of a
+        # persistent failure (or of a copy that does not stand).
+        # WATCHER_COPY_INTERVAL=0 turns copies off.
         self.copy_off = os.environ.get("WATCHER_COPY_INTERVAL") == "0"
         self.copies = None            # replay.state_copy.StateCopies, made before the first fork
-        self.snap_policy = SnapshotPolicy(budget if self.copy_off else budget / 2)
+        self.snap_policy = SnapshotPolicy(budget if self.copy_off else budget / 3)
         if not self.copy_off:
             from ..replay.state_copy import CopyPolicy
 
-            self.copy_policy = CopyPolicy(budget / 2)
+            self.copy_policy = CopyPolicy(budget * 2 / 3)
         self._lock = threading.Lock()
 
     # -- fail open -----------------------------------------------------------------------
