@@ -418,24 +418,35 @@ def copy_outcome(rt, info: dict, plan: dict, out_dir: Path) -> dict:
 
     The copy carries the training state but not the program's own Python
     state, which is the fork's.  So the replay stands only when every rank
-    re-executed the first step after the copy exactly as recorded (its
-    fingerprint and its collectives' inputs), which that step, being before
-    the failing step, must; and only for a transient verdict: a persistent
+    re-executed every step before the fault exactly as recorded (fingerprints
+    and collective inputs), at least one of them (the copy is chosen two steps
+    before the failing step for that); and only for a transient verdict: a persistent
     failure is confirmed and diagnosed from the fork snapshot itself, whose
     state is the live rank's whole state."""
     results = load_results(out_dir, rt.world)
     verdict = decide(rt, info, plan, out_dir, results)
     first = plan["from_step"] + 1
+    # Every step before the fault must replay as recorded: up to the first
+    # localised divergence, or up to the failing step when there is none.
+    div = (verdict.get("replay") or {}).get("first_divergence")
+    clean_to = min(div["step"], plan["failing_step"]) if div else plan["failing_step"]
     reason = None
     for r, res in enumerate(results):
-        fp = res.get("steps", {}).get(first)
         if res.get("status") != "done":
             reason = f"rank {r}'s replay from the copy ended with {res.get('status')}: " \
                      f"{((res.get('error') or '').strip().splitlines() or [''])[-1]}"
-        elif fp is None or not fp["match"]:
-            reason = f"rank {r} did not replay step {first} as recorded ({', '.join(fp['diff']) if fp else 'missing'})"
-        elif not all(c["match"] for c in res["colls"] if c["step"] == first):
-            reason = f"rank {r}'s collective inputs at step {first} differ from the record"
+            break
+        if clean_to <= first:
+            reason = f"the first divergence is at step {clean_to}, the first step replayed from the copy"
+            break
+        for k in range(first, clean_to):
+            fp = res.get("steps", {}).get(k)
+            if fp is None or not fp["match"]:
+                reason = f"rank {r} did not replay step {k} as recorded ({', '.join(fp['diff']) if fp else 'missing'})"
+            elif not all(c["match"] for c in res["colls"] if c["step"] == k):
+                reason = f"rank {r}'s collective inputs at step {k} differ from the record"
+            if reason:
+                break
         if reason:
             break
     if reason is None and verdict.get("classification") != "transient":

@@ -24,17 +24,27 @@ def _params(opt) -> list:
 
 
 def modules_holding(params: list) -> dict[int, torch.nn.Module]:
-    """Every module that owns one of these parameters, by id.  A scan of every
-    object (~100 ms in a rank), so the runtime does it once, before its first
-    snapshot: replays forked later inherit the answer."""
+    """Every module that owns one of these parameters, by id."""
+    return scan_training_objects(params, None)[0]
+
+
+def scan_training_objects(params: list, opt) -> tuple[dict[int, torch.nn.Module], list]:
+    """Every module that owns one of these parameters (by id), and the LR
+    schedulers driving `opt` (state_copy.py carries their counters).  A scan
+    of every object (~100 ms in a rank), so the runtime does it once, before
+    its first snapshot: replays forked later inherit the answer."""
     want = {id(p) for p in params}
-    found = {}
+    found, schedulers = {}, []
+    sched = getattr(torch.optim.lr_scheduler, "LRScheduler", None) or torch.optim.lr_scheduler._LRScheduler
     with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if isinstance(obj, torch.nn.Module) and any(id(p) in want for p in obj.parameters(recurse=False)):
-                found[id(obj)] = obj
-    return found
+            if isinstance(obj, torch.nn.Module):
+                if any(id(p) in want for p in obj.parameters(recurse=False)):
+                    found[id(obj)] = obj
+            elif opt is not None and isinstance(obj, sched) and getattr(obj, "optimizer", None) is opt:
+                schedulers.append(obj)
+    return found, schedulers
 
 
 def training_state(rt) -> dict:

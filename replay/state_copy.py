@@ -24,14 +24,12 @@ invalid, never half-valid.
 from __future__ import annotations
 
 import ctypes
-import gc
 import math
 import mmap
 import os
 import pickle
 import struct
 import time
-import warnings
 
 import torch
 
@@ -41,25 +39,12 @@ SLOTS = 2
 HEADER = struct.Struct("<IqQQ")  # magic, step (-1: none), description bytes, tensor bytes
 MAGIC = 0x57435059
 HEADER_BYTES = 64
-META_CAP = 1 << 20
+META_CAP = 1 << 18
 MAX_MB = float(os.environ.get("WATCHER_STATE_COPY_MAX_MB", "2048"))
 
 
 class CopyUnusable(Exception):
     """This copy cannot be loaded into this process (its tensors differ)."""
-
-
-def schedulers_of(opt) -> list:
-    """The LR schedulers driving `opt`: their counters are Python state that a
-    copy must carry.  A scan of every object, done once before the first fork."""
-    found = []
-    base = getattr(torch.optim.lr_scheduler, "LRScheduler", None) or torch.optim.lr_scheduler._LRScheduler
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if isinstance(obj, base) and getattr(obj, "optimizer", None) is opt:
-                found.append(obj)
-    return found
 
 
 def _tensors(rt) -> list:
@@ -121,7 +106,14 @@ class StateCopies:
         ctypes.memset(self.addr, 0, len(self.mm))
         for s in range(SLOTS):
             self._header(s, -1, 0, 0)
-        self.schedulers = schedulers_of(rt.main_opt)
+        # LR schedulers hold counters a copy must carry; the runtime found
+        # them in its one scan of every object (merge.scan_training_objects).
+        self.schedulers = getattr(rt, "schedulers", None)
+        if self.schedulers is None:
+            from .merge import scan_training_objects
+
+            params = [p for g in rt.main_opt.param_groups for p in g["params"]]
+            self.schedulers = scan_training_objects(params, rt.main_opt)[1]
         self.steps = [-1] * SLOTS      # what each slot holds, as the live rank wrote it
         self.next_slot = 0
         self.cost_ns: list[int] = []
@@ -181,7 +173,7 @@ class StateCopies:
         py = pickle.dumps(_python_state(rt, self.schedulers, self._other), protocol=5)
         meta = len(self._desc_bytes).to_bytes(8, "little") + self._desc_bytes + py
         if len(meta) > META_CAP:
-            self.off_reason = f"the non-tensor state is over {META_CAP >> 20} MB"
+            self.off_reason = f"the non-tensor state is over {META_CAP >> 10} KB"
             return False
         slot = self.next_slot
         self.next_slot = (slot + 1) % SLOTS

@@ -105,7 +105,8 @@ def test_a_program_state_no_copy_carries_is_replayed_from_the_fork_instead(tmp_p
     assert (inc["classification"], inc["recovered"], inc["steps_lost"]) == ("transient", True, 0)
     attempt = inc["replay"]["copy_attempt"]
     assert attempt["from_step"] == 10
-    assert "did not replay step 11 as recorded" in attempt["rejected"]
+    # Step 11, the first after the copy, already diverges: its gradients (the allreduce inputs) differ.
+    assert attempt["rejected"] == "the first divergence is at step 11, the first step replayed from the copy"
     assert inc["window"] == {"from_step": 8, "to_step": 14}
     assert "state_copy" not in inc["replay"]
 

@@ -242,10 +242,17 @@ class ProcessModel:
                     self.dirty = True
         for p in self.processes:
             if p.end_ts is None and p.rank is None and p.start_ts is not None:
-                # A fork of a rank that did not exec (DataLoader worker, Watcher
-                # snapshot) shares the rank's environment but is not a rank.
-                parent = self.processes[p.parent_upid] if p.parent_upid is not None else None
-                if parent is not None and parent.rank is not None and not p.execd:
+                if self.forked_from_rank(p):
                     continue
                 if _set_ranks(p):
                     self.dirty = True
+
+    def forked_from_rank(self, p: ProcessRow) -> bool:
+        """A fork of a rank that did not exec (DataLoader worker, Watcher
+        snapshot, or a replay forked from that snapshot: a fork of a fork)
+        shares the rank's environment but is not a rank."""
+        while not p.execd and p.parent_upid is not None:
+            p = self.processes[p.parent_upid]
+            if p.rank is not None:
+                return True
+        return False

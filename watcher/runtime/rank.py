@@ -90,6 +90,7 @@ class RankRuntime:
         self.resnapshot = False
         self.abnormal_exit = False    # an uncaught exception is ending the process
         self.modules = None           # id -> module owning the main optimizer's parameters (for a merge)
+        self.schedulers = None        # the LR schedulers of the main optimizer (for a state copy)
         self.param_sum = ParamChecksum()
         self.snapshot_mb: float | None = None  # private MB of the last snapshot measured (step_end)
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
@@ -465,9 +466,10 @@ class RankRuntime:
 
         self.flush_logs()
         if self.modules is None and self.main_opt is not None:
-            from ..replay.merge import modules_holding
+            from ..replay.merge import scan_training_objects
 
-            self.modules = modules_holding([p for g in self.main_opt.param_groups for p in g["params"]])
+            self.modules, self.schedulers = scan_training_objects(
+                [p for g in self.main_opt.param_groups for p in g["params"]], self.main_opt)
         if self.copies is None and not self.copy_off and self.main_opt is not None:
             from ..replay.state_copy import StateCopies
 

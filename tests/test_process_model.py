@@ -1,0 +1,41 @@
+"""Which recorded processes are ranks: a rank is a process that exec'd with
+RANK in its environment; its forks that never exec (DataLoader workers,
+Watcher's snapshots, and the replays forked from a snapshot) share that
+environment but are not ranks.  Ground truth: the test's own process tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from watcher.process_model import ProcessModel
+
+
+@pytest.fixture
+def ranked_pid():
+    """A live process whose environment holds RANK (every row below reads it)."""
+    p = subprocess.Popen(["sleep", "60"], env=dict(os.environ, RANK="3", LOCAL_RANK="1", WORLD_SIZE="4"))
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+def test_forks_of_a_rank_and_forks_of_those_are_not_ranks(ranked_pid):
+    me = ranked_pid
+    m = ProcessModel()
+    launcher = m.new_process(me, None, 1)
+    launcher.execd = True
+    rank = m.new_process(me, me, 2)
+    rank.parent_upid, rank.execd = launcher.upid, True
+    snapshot = m.new_process(me, me, 3)
+    snapshot.parent_upid = rank.upid
+    replay = m.new_process(me, me, 4)
+    replay.parent_upid = snapshot.upid
+    exec_child = m.new_process(me, me, 5)
+    exec_child.parent_upid, exec_child.execd = snapshot.upid, True
+    m.refresh_names()
+    rows = [launcher, rank, snapshot, replay, exec_child]
+    assert [r.rank for r in rows] == [3, 3, None, None, 3]
+    assert [m.forked_from_rank(r) for r in rows] == [False, False, True, True, False]
