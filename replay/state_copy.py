@@ -261,4 +261,7 @@ class CopyPolicy:
             cost = sorted(copies.cost_ns)[len(copies.cost_ns) // 2]
             want = math.ceil(cost / max(self.budget * med, 1))
             self.interval = 1 << max(1, (max(want, 1) - 1).bit_length())
+            ctl = getattr(rt, "ctl", None)
+            if ctl is not None:
+                self.interval = ctl.agree_interval(rt.rank, rt.world, self.interval)
         return k % self.interval == 0

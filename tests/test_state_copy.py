@@ -108,3 +108,17 @@ def test_the_copy_interval_keeps_the_copies_within_their_budget():
     copies = types.SimpleNamespace(cost_ns=[350_000, 380_000, 360_000])  # 0.36 ms a copy
     assert [k for k in range(1, 17) if policy.due(k, rt, copies)] == [4, 8, 12, 16]
     assert policy.interval == 4
+
+
+def test_ranks_agree_on_the_largest_interval_any_of_them_wants(tmp_path):
+    # Two ranks on one node share the control block: a copy is only useful
+    # when every rank holds one of the same step, so they copy at the same steps.
+    from watcher.runtime.control import Control
+
+    a, b = Control(tmp_path), Control(tmp_path)
+    assert a.agree_interval(0, 2, 4) == 4
+    assert b.agree_interval(1, 2, 8) == 8
+    assert a.agree_interval(0, 2, 4) == 8
+    assert b.agree_interval(1, 2, 2) == 4   # rank 1's cost fell: both go back to rank 0's 4
+    a.beacon(0, 5, 123)
+    assert b.beacon_at(0, 5) == 123 and b.arrived(1) == (0, -1)

@@ -6,7 +6,7 @@ incident is open.  Cold path (an incident): small JSON files written with an
 atomic rename, so a reader never sees half a file.
 
     header  magic | incident_seq | plan_seq | verdict_seq | paused
-    slot r  arrived_seq | arrived_step | ring of RING (step, param_sum)
+    slot r  arrived_seq | arrived_step | copy interval wanted | (spare) | ring of RING (step, param_sum)
 
 One control file per node: ranks of a multi-node job see only their own
 node's peers here.
@@ -26,7 +26,8 @@ MAGIC = 0x57415443_48455231  # "WATCHER1"
 MAX_RANKS = 1024
 RING = 8
 HEADER = 64
-SLOT = 16 + RING * 16
+SLOT = 32 + RING * 16
+RING_AT = 32
 SIZE = HEADER + MAX_RANKS * SLOT
 _Q = struct.Struct("<q")
 _QQ = struct.Struct("<qq")
@@ -73,8 +74,9 @@ class Control:
             _Q.pack_into(self.mm, 0, MAGIC)
             for r in range(MAX_RANKS):
                 _QQ.pack_into(self.mm, HEADER + r * SLOT, 0, -1)
+                _QQ.pack_into(self.mm, HEADER + r * SLOT + 16, 0, 0)
                 for i in range(RING):
-                    _QQ.pack_into(self.mm, HEADER + r * SLOT + 16 + i * 16, -1, 0)
+                    _QQ.pack_into(self.mm, HEADER + r * SLOT + RING_AT + i * 16, -1, 0)
 
     # -- header words --------------------------------------------------------------
     def _get(self, i: int) -> int:
@@ -93,17 +95,17 @@ class Control:
     # -- per-rank beacons ------------------------------------------------------------
     def beacon(self, rank: int, step: int, param_sum: int) -> None:
         # Checksum first, step last: a peer that sees the new step sees its checksum.
-        at = HEADER + rank * SLOT + 16 + (step % RING) * 16
+        at = HEADER + rank * SLOT + RING_AT + (step % RING) * 16
         _Q.pack_into(self.mm, at, -1)
         _Q.pack_into(self.mm, at + 8, param_sum)
         _Q.pack_into(self.mm, at, step)
 
     def beacon_at(self, rank: int, step: int) -> int | None:
-        s, v = _QQ.unpack_from(self.mm, HEADER + rank * SLOT + 16 + (step % RING) * 16)
+        s, v = _QQ.unpack_from(self.mm, HEADER + rank * SLOT + RING_AT + (step % RING) * 16)
         return v if s == step else None
 
     def latest_step(self, rank: int) -> int:
-        base = HEADER + rank * SLOT + 16
+        base = HEADER + rank * SLOT + RING_AT
         return max(_QQ.unpack_from(self.mm, base + i * 16)[0] for i in range(RING))
 
     def arrive(self, rank: int, seq: int, step: int) -> None:
@@ -111,6 +113,13 @@ class Control:
 
     def arrived(self, rank: int) -> tuple[int, int]:
         return _QQ.unpack_from(self.mm, HEADER + rank * SLOT)
+
+    def agree_interval(self, rank: int, world: int, want: int) -> int:
+        """Publish the copy interval this rank wants; the one every rank uses
+        is the largest wanted, so all of them copy at the same steps (an
+        incident can use only a copy every rank holds)."""
+        _Q.pack_into(self.mm, HEADER + rank * SLOT + 16, want)
+        return max([want] + [_Q.unpack_from(self.mm, HEADER + r * SLOT + 16)[0] for r in range(min(world, MAX_RANKS))])
 
     # -- incidents ----------------------------------------------------------------------
     def open_incident(self, info: dict) -> int | None:
