@@ -66,8 +66,7 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
             quick.mkdir(exist_ok=True)
             _replay_mine(rt, info, plan, quick, t_halt, "-copy")
             if rt.rank == 0:
-                ctl.wait(lambda: all((quick / f"replayed.rank{r}.json").exists() for r in range(rt.world)),
-                         WAIT_S, "every rank's replay")
+                _await_replays(rt, quick)
                 try:
                     outcome = copy_outcome(rt, info, plan, quick)
                 except Exception as e:
@@ -90,8 +89,7 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
             _replay_mine(rt, info, plan, inc_dir, t_halt)
             result_dir = inc_dir
             if rt.rank == 0:
-                ctl.wait(lambda: all((inc_dir / f"replayed.rank{r}.json").exists() for r in range(rt.world)),
-                         WAIT_S, "every rank's replay")
+                _await_replays(rt, inc_dir)
                 try:
                     verdict = decide(rt, info, plan, inc_dir)
                 except Exception as e:
@@ -148,6 +146,12 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
         _say(rt, f"stopping after incident {info['incident_id']} (policy {rt.policy})")
         rt.close()
         os._exit(75)
+
+
+def _await_replays(rt, out_dir: Path) -> None:
+    """Rank 0: wait until every rank has said how its replay into out_dir ended."""
+    rt.ctl.wait(lambda: all((out_dir / f"replayed.rank{r}.json").exists() for r in range(rt.world)),
+                WAIT_S, "every rank's replay")
 
 
 def _replay_mine(rt, info: dict, plan: dict, out_dir: Path, t_halt: int, tag: str = "") -> None:
