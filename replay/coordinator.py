@@ -41,8 +41,9 @@ def handle_incident(rt, seq: int, info: dict, final: bool = False) -> None:
     t_halt = time.monotonic_ns()
     rt.seg.flush()  # the replays and the verdict read every rank's window and logs from disk
     rt.flush_logs()
+    usable = [s.step for s in rt.snapshots if s.step > rt.window_gap]  # none from before a measurement's pause
     write_json(inc_dir / f"arrive.rank{rt.rank}.json",
-               {"rank": rt.rank, "step": k, "snapshots": [s.step for s in rt.snapshots], "pid": os.getpid(),
+               {"rank": rt.rank, "step": k, "snapshots": usable, "pid": os.getpid(),
                 "unsupported": rt.unsupported, "copies": rt.copies.held() if rt.copies is not None else []})
     ctl.arrive(rt.rank, seq, k)
     _say(rt, f"incident {info['incident_id']} ({info['kind']} at step {info['failing_step']}, "

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.control import AGREE_EVERY
+
 PR_SET_PDEATHSIG = 1
 ORPHAN_WAIT_S = float(os.environ.get("WATCHER_ORPHAN_WAIT", "20"))
 _gomp = None
@@ -58,6 +60,7 @@ class SnapshotPolicy:
         forced = os.environ.get("WATCHER_SNAPSHOT_INTERVAL")
         self.forced = int(forced) if forced else None
         self.interval = self.forced or 1
+        self.want: int | None = None  # the interval this rank's own costs call for
         self.cost_ns: float | None = None
         self.last_snap: int | None = None
         self.fork_ns: list[int] = []
@@ -69,6 +72,9 @@ class SnapshotPolicy:
             med = sorted(steps[:-1])[len(steps[:-1]) // 2]
             self.cow_ns.append(max(0, steps[-1] - med))
             self._adapt(med)
+            self._agree(rt)
+        elif k % AGREE_EVERY == 0:
+            self._agree(rt)  # a peer's wish may have grown since
         if k < 1 or len(steps) < 1:
             return False
         if k % self.interval:
@@ -82,7 +88,17 @@ class SnapshotPolicy:
         cost = (self.fork_ns[-1] if self.fork_ns else 0) + (self.cow_ns[-1] if self.cow_ns else 0)
         self.cost_ns = cost if self.cost_ns is None else 0.5 * self.cost_ns + 0.5 * cost
         want = self.cost_ns / max(self.budget * median_step_ns, 1)
-        self.interval = 1 << max(0, math.ceil(math.log2(max(want, 1))))
+        self.want = 1 << max(0, math.ceil(math.log2(max(want, 1))))
+
+    def _agree(self, rt) -> None:
+        """Every rank forks at the interval the most expensive rank wants
+        (each measures its own fork cost: 16 against 32 was seen), or the
+        newest snapshot common to all ranks is an old one."""
+        if self.forced or self.want is None:
+            return
+        ctl = getattr(rt, "ctl", None)
+        self.interval = (ctl.agree_interval(rt.rank, rt.world, self.want, word=ctl.FORK_WANT)
+                         if ctl is not None else self.want)
 
 
 class ForkSnapshot:

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from ..runtime.control import AGREE_EVERY
 from ..runtime.wordsum import LIB
 
 SLOTS = 2
@@ -117,6 +118,7 @@ class StateCopies:
         self.steps = [-1] * SLOTS      # what each slot holds, as the live rank wrote it
         self.next_slot = 0
         self.cost_ns: list[int] = []
+        self.n_costs = 0               # costs measured so far (CopyPolicy works the interval out on a new one)
         self.off_reason = None if need <= MAX_MB * (1 << 20) else f"training state over {MAX_MB:.0f} MB"
         self._key = None              # what the cached description below was made for
         self._ptrs = self._sizes = None
@@ -197,6 +199,7 @@ class StateCopies:
         self.last_ns = time.perf_counter_ns() - t0
         if self._relayout_ns is None:  # a copy that described the tensors anew costs more: not the usual cost
             self.cost_ns.append(self.last_ns)
+            self.n_costs += 1
         if len(self.cost_ns) > 16:
             del self.cost_ns[:8]
         return True
@@ -254,9 +257,14 @@ class CopyPolicy:
         forced = os.environ.get("WATCHER_COPY_INTERVAL")
         self.forced = int(forced) if forced else None
         self.interval = self.forced or 2
+        self._seen = 0  # copies.n_costs when the interval was last worked out
 
     def due(self, k: int, rt, copies: StateCopies) -> bool:
-        if not self.forced and copies.cost_ns and len(rt.step_ns) >= 3:
+        # Worked out again only when a copy's cost came in, or every
+        # AGREE_EVERY steps (a peer's wish may have grown): not every step.
+        fresh = copies.n_costs != self._seen or k % AGREE_EVERY == 0
+        if fresh and not self.forced and copies.cost_ns and len(rt.step_ns) >= 3:
+            self._seen = copies.n_costs
             med = sorted(rt.step_ns)[len(rt.step_ns) // 2]
             cost = sorted(copies.cost_ns)[len(copies.cost_ns) // 2]
             want = math.ceil(cost / max(self.budget * med, 1))

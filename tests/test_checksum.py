@@ -79,3 +79,29 @@ def test_parameter_checksum_is_the_same_with_and_without_wordsum(lib, monkeypatc
     changed = checksum.params_sum(params)
     with_lib(monkeypatch, lib)
     assert changed != expected and ps(params) == changed
+
+
+def test_grad_norm_in_one_pass_matches_the_norm_and_repeats_bit_for_bit(lib, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((1, 1.0), (15, 1e-3), (1000, 10.0), (300_001, 0.5))]
+    exact = float(torch.sqrt(sum((t.double() ** 2).sum() for t in grads)))
+    with_lib(monkeypatch, lib)
+    norm = checksum.GradNorm()
+    fast = norm(grads)
+    assert norm.ptrs is not None  # the C path ran
+    assert abs(fast - exact) <= 1e-6 * exact
+    assert norm([t.clone() for t in grads]) == fast  # same values elsewhere in memory: same bits
+    grads[2][500] = float("nan")
+    assert norm(grads) != norm(grads)  # NaN propagates (the non-finite detector reads it)
+    grads[2][500] = float("inf")
+    assert norm(grads) == float("inf")
+    for big in (3e38, 4e36, 2e19):  # finite, but the squares overflow float32: infinite, as torch's norm
+        grads[2][500] = big
+        assert norm(grads) == float("inf") == float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+    grads[2][500] = 1e19
+    assert abs(norm(grads) / float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) - 1) < 1e-6
+    with_lib(monkeypatch, None)
+    grads[2][500] = 1.0
+    slow = checksum.GradNorm()([t.clone() for t in grads])
+    assert abs(slow - float(torch.sqrt(sum((t.double() ** 2).sum() for t in grads)))) <= 1e-9 * slow
+    assert checksum.GradNorm()([]) == 0.0

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from watcher.replay.merge import modules_holding
 from watcher.replay.state_copy import CopyPolicy, CopyUnusable, StateCopies
+from watcher.runtime.control import AGREE_EVERY
 
 
 def make_job(seed: int = 0):
@@ -105,7 +106,7 @@ def test_a_state_larger_than_the_slots_turns_copies_off_instead_of_overflowing()
 def test_the_copy_interval_keeps_the_copies_within_their_budget():
     policy = CopyPolicy(0.005)
     rt = types.SimpleNamespace(step_ns=[20_000_000] * 8)           # 20 ms steps: 0.1 ms a step allowed
-    copies = types.SimpleNamespace(cost_ns=[350_000, 380_000, 360_000])  # 0.36 ms a copy
+    copies = types.SimpleNamespace(cost_ns=[350_000, 380_000, 360_000], n_costs=3)  # 0.36 ms a copy
     assert [k for k in range(1, 17) if policy.due(k, rt, copies)] == [4, 8, 12, 16]
     assert policy.interval == 4
 
@@ -122,3 +123,23 @@ def test_ranks_agree_on_the_largest_interval_any_of_them_wants(tmp_path):
     assert b.agree_interval(1, 2, 2) == 4   # rank 1's cost fell: both go back to rank 0's 4
     a.beacon(0, 5, 123)
     assert b.beacon_at(0, 5) == 123 and b.arrived(1) == (0, -1)
+
+
+def test_ranks_fork_at_the_interval_the_costliest_rank_wants(tmp_path):
+    # Each rank measures its own fork cost; snapshots help only at steps every
+    # rank forked, so the fork interval is agreed like the copy interval.
+    from watcher.replay.snapshot import SnapshotPolicy
+    from watcher.runtime.control import Control
+
+    ranks = []
+    for r, fork_ms in ((0, 10), (1, 30)):
+        policy = SnapshotPolicy(0.01)
+        policy.fork_ns = [fork_ms * 1_000_000]
+        rt = types.SimpleNamespace(ctl=Control(tmp_path), rank=r, world=2, step_ns=[20_000_000] * 8)
+        ranks.append((policy, rt))
+    for policy, rt in ranks:  # each took a snapshot at step 1: at step 2 it learns its cost
+        policy.last_snap = 1
+        policy.due(2, rt)
+    assert [p.want for p, _ in ranks] == [64, 256]  # 10 and 30 ms against 0.2 ms a step allowed
+    ranks[0][0].due(AGREE_EVERY, ranks[0][1])  # rank 0 reads rank 1's wish at its next agreement step
+    assert [p.interval for p, _ in ranks] == [256, 256]

@@ -143,12 +143,15 @@ def run(cfg: RunConfig) -> RunResult:
         cfg.out.mkdir(mode=0o700, parents=True)
         (cfg.out / "runtime").mkdir()
         (cfg.out / "incidents").mkdir()
-        Control(cfg.out / "runtime")  # initialised before any rank can race to create it
+        ctl = Control(cfg.out / "runtime")  # initialised before any rank can race to create it
     except OSError as e:
         raise RecordingError(f"cannot create {cfg.out}: {e.strerror}") from None
     # Snapshots of a crashed rank are orphaned; as subreaper we get them, not init.
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    session = Session(SessionConfig(out=cfg.out / "recording.duckdb", quiet=cfg.quiet))
+    # The control block's `paused` word (an overhead measurement, `just bench
+    # run`) pauses the recorder as well as the ranks' runtime.
+    session = Session(SessionConfig(out=cfg.out / "recording.duckdb", quiet=cfg.quiet,
+                                    paused=lambda: ctl.paused != 0))
     status = _StatusLine(cfg.out) if sys.stderr.isatty() and not cfg.quiet else None
     window_dir = _window_dir(cfg.out)
     env = cfg.env()

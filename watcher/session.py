@@ -16,6 +16,7 @@ import duckdb
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from .bpf.recorder import ALL_PROBES, RecorderConfig
@@ -39,6 +40,10 @@ class SessionConfig:
     flush_interval: float = 1.0
     quiet: bool = False
     extra_meta: dict = field(default_factory=dict)
+    # Polled by the collector loop: while it returns True the recorder is
+    # paused (`watcher run`: the control block's `paused` word, set only by
+    # an overhead measurement).  The paused time is written to the recording.
+    paused: Callable[[], bool] | None = None
 
     def validate(self) -> None:
         unknown = [p for p in self.probes if p not in ALL_PROBES]
@@ -143,6 +148,9 @@ class Session:
         self.recorder = None
         self.collector: Collector | None = None
         self._interrupts = 0
+        self._paused_pids: list[int] | None = None  # taken out of the traced set by a pause
+        self._paused_since = 0.0
+        self._paused_s = 0.0
         self._live = None
         self._before_finish = None
         self._finishing = False
@@ -345,6 +353,8 @@ class Session:
         old = self._install_signals(on_signal)
         try:
             def should_stop() -> bool:
+                if self.config.paused is not None:
+                    self._follow_pause()
                 if self._dump_now:
                     self._dump_now = False
                     self._dump_ring()
@@ -370,6 +380,19 @@ class Session:
             raise RecordingError(f"cannot finish {self.config.out}: {e}") from None
         finally:
             self._restore(old)
+
+    def _follow_pause(self) -> None:
+        try:
+            want = bool(self.config.paused())
+        except Exception:
+            return  # a measurement switch must never stop the recording
+        if want and self._paused_pids is None:
+            self._paused_pids = self.recorder.pause()
+            self._paused_since = time.monotonic()
+        elif not want and self._paused_pids is not None:
+            self.recorder.resume(self._paused_pids)
+            self._paused_pids = None
+            self._paused_s += time.monotonic() - self._paused_since
 
     @staticmethod
     def _restore(old: dict) -> None:
@@ -402,7 +425,10 @@ class Session:
 
     def _finish(self, t0: int) -> SessionResult:
         c = self.collector
-        c.finish(interrupted=str(self._interrupts > 0).lower())
+        if self._paused_pids is not None:  # still paused at the end
+            self._paused_s += time.monotonic() - self._paused_since
+        facts = {"paused_s": f"{self._paused_s:.3f}"} if self._paused_s else {}
+        c.finish(interrupted=str(self._interrupts > 0).lower(), **facts)
         if self.config.ring_minutes is not None:
             out = self._dump_ring()
             size = out.stat().st_size

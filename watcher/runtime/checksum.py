@@ -10,6 +10,7 @@ always give equal sums (the check is over bits: -0.0 and 0.0 differ, NaNs compar
 from __future__ import annotations
 
 import ctypes
+import math
 import zlib
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from .wordsum import LIB
 
 _MASK = (1 << 63) - 1
+_FLT_MAX = 3.4028234663852886e38
 _WORD = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # Dtypes whose memory is whole 32-bit words: summed by wordsum.c in one pass when it is loaded.
 _WORDS = {torch.float32: 1, torch.int32: 1, torch.float64: 2, torch.int64: 2}
@@ -120,6 +122,42 @@ class ParamChecksum:
         with torch.no_grad():
             torch.cat(self.views, out=self.buf)
         return tensor_sum(self.buf)
+
+
+class GradNorm:
+    """The L2 norm of the gradients, computed in double in one pass of
+    wordsum.c (~90 us of torch dispatch for the reference model's 29
+    gradients, ~0.3 ms with the training step's cache misses, down to one
+    call).  The addresses are rebuilt only when a gradient moved (DDP and
+    `zero_grad(set_to_none=True)` often hand back the same memory).  Without
+    wordsum.c, or for other dtypes, torch computes it, also in double; a
+    replay is a fork of the same rank and takes the same path."""
+
+    def __init__(self):
+        self.key: list = []
+        self.ptrs = self.counts = None
+
+    def __call__(self, grads: list) -> float:
+        if not grads:
+            return 0.0
+        key = [(g.data_ptr(), g.numel()) for g in grads]
+        if key != self.key:
+            self.key = key
+            self.ptrs = self.counts = None
+            if LIB is not None and all(g.dtype == torch.float32 and g.device.type == "cpu"
+                                       and g.layout == torch.strided and g.is_contiguous() for g in grads):
+                self.ptrs = (ctypes.c_uint64 * len(grads))(*(k[0] for k in key))
+                self.counts = (ctypes.c_uint64 * len(grads))(*(k[1] for k in key))
+        if self.ptrs is not None:
+            total = LIB.ws_sumsq_f32_many(self.ptrs, self.counts, len(grads))
+        else:
+            with torch.no_grad():
+                total = sum(float(torch.sum(g.detach().double() ** 2)) for g in grads)
+        # A sum of squares past float32's range is infinite, as in torch's
+        # float32 norm of the same gradients (a norm over ~1.8e19): the
+        # non-finite detector then fires at the step whose gradients blew up,
+        # not a step later at the loss.  NaN stays NaN.
+        return math.inf if total > _FLT_MAX else math.sqrt(total)
 
 
 def tensors_in(obj) -> list:

@@ -5,8 +5,8 @@ its own slot of a small shared mmap, and reads one word to learn whether an
 incident is open.  Cold path (an incident): small JSON files written with an
 atomic rename, so a reader never sees half a file.
 
-    header  magic | incident_seq | plan_seq | verdict_seq | paused
-    slot r  arrived_seq | arrived_step | copy interval wanted | (spare) | ring of RING (step, param_sum)
+    header  magic | incident_seq | plan_seq | verdict_seq | paused (a measurement: recorder and runtime off)
+    slot r  arrived_seq | arrived_step | copy interval wanted | fork interval wanted | ring of RING (step, param_sum)
 
 One control file per node: ranks of a multi-node job see only their own
 node's peers here.
@@ -24,6 +24,7 @@ from pathlib import Path
 
 MAGIC = 0x57415443_48455231  # "WATCHER1"
 MAX_RANKS = 1024
+AGREE_EVERY = 16  # steps between readings of the other ranks' wanted copy and fork intervals
 RING = 8
 HEADER = 64
 SLOT = 32 + RING * 16
@@ -114,12 +115,14 @@ class Control:
     def arrived(self, rank: int) -> tuple[int, int]:
         return _QQ.unpack_from(self.mm, HEADER + rank * SLOT)
 
-    def agree_interval(self, rank: int, world: int, want: int) -> int:
-        """Publish the copy interval this rank wants; the one every rank uses
-        is the largest wanted, so all of them copy at the same steps (an
-        incident can use only a copy every rank holds)."""
-        _Q.pack_into(self.mm, HEADER + rank * SLOT + 16, want)
-        return max([want] + [_Q.unpack_from(self.mm, HEADER + r * SLOT + 16)[0] for r in range(min(world, MAX_RANKS))])
+    COPY_WANT, FORK_WANT = 16, 24  # where in its slot a rank publishes the interval it wants
+
+    def agree_interval(self, rank: int, world: int, want: int, word: int = COPY_WANT) -> int:
+        """Publish the copy (or fork) interval this rank wants; the one every
+        rank uses is the largest wanted, so all of them copy (fork) at the
+        same steps: an incident can use only a copy or snapshot every rank holds."""
+        _Q.pack_into(self.mm, HEADER + rank * SLOT + word, want)
+        return max([want] + [_Q.unpack_from(self.mm, HEADER + r * SLOT + word)[0] for r in range(min(world, MAX_RANKS))])
 
     # -- incidents ----------------------------------------------------------------------
     def open_incident(self, info: dict) -> int | None:

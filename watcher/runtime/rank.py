@@ -31,7 +31,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from . import collectives, relink, transport
 from .collectives import COMPUTED_IN_REPLAY
-from .checksum import ParamChecksum, object_sum, rng_digest, tensors_sum
+from .checksum import GradNorm, ParamChecksum, object_sum, rng_digest, tensors_sum
 from .control import Control, process_state, read_json, write_json
 from .window import END_OF_DATA, SegmentWriter
 
@@ -87,11 +87,13 @@ class RankRuntime:
         self.skip_digests: set = set()  # samples a skip_batch prescription keeps out (replay/diagnose.py)
         self.skip_reason = None
         self.exiting = False
+        self.window_gap = -1          # the last step run paused (is_paused): no replay crosses it
         self.resnapshot = False
         self.abnormal_exit = False    # an uncaught exception is ending the process
         self.modules = None           # id -> module owning the main optimizer's parameters (for a merge)
         self.schedulers = None        # the LR schedulers of the main optimizer (for a state copy)
         self.param_sum = ParamChecksum()
+        self.grad_norm = GradNorm()
         self.snapshot_mb: float | None = None  # private MB of the last snapshot measured (step_end)
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
@@ -164,12 +166,13 @@ class RankRuntime:
         atexit.register(self.at_exit)
 
     def is_paused(self) -> bool:
-        if not self.active or not self.ctl.paused:
-            return False
-        if self.unsupported is None:
-            self.unsupported = "the runtime was paused for a measurement"
-            self.close()
-        return True
+        """Watcher paused for an overhead measurement (the control block's
+        `paused` word, set by `just bench run`): every hook passes straight
+        through.  Snapshots, copies and the window stay as they are, so the
+        "on" time after a pause costs what it does in a long run; a snapshot
+        older than the last paused step is not offered for a replay (its
+        window misses the paused steps)."""
+        return self.active and self.ctl.paused != 0
 
     # -- hooks (called from patched torch entry points) -------------------------------------
     def on_backward(self, tensor: torch.Tensor) -> None:
@@ -322,6 +325,7 @@ class RankRuntime:
         self.activate()
         if self.is_paused():
             self.step += 1
+            self.window_gap = self.step
             self.last_end_ns = None
             self.done_colls.clear()
             self.batch_sums.clear()
@@ -341,7 +345,7 @@ class RankRuntime:
         self.fp_perf = time.perf_counter_ns()  # the step's end: what follows is the next step's time
         params = [p for g in self.main_opt.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
-        gn = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) if grads else 0.0
+        gn = self.grad_norm(grads)
         loss = float(self.last_loss) if self.last_loss is not None else None
         for item in list(self.pending):
             meta, outs, work, capture = item

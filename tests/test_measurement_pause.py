@@ -1,0 +1,63 @@
+"""The measurement pause of `watcher run` (the control block's `paused` word,
+used by `just bench run` for its on/off windows): while it is set the recorder
+records nothing of the job, after it records again, and the recording says how
+long it was paused."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from .conftest import ROOT, needs_bpf, query
+
+pytestmark = needs_bpf
+
+# Three phases of getppid, 100 / 50 / 30 calls; between phases the job waits
+# for the test's file and says where it is with its own.
+TARGET = textwrap.dedent("""
+    import os, sys, time
+    d = sys.argv[1]
+    def phase(n, done, go):
+        for _ in range(n):
+            os.getppid()
+        open(os.path.join(d, done), "w").close()
+        while go and not os.path.exists(os.path.join(d, go)):
+            time.sleep(0.01)
+    phase(100, "a", "b")
+    phase(50, "c", "d")
+    phase(30, "e", None)
+""")
+
+
+def _wait_file(p, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not p.exists():
+        assert time.monotonic() < deadline, f"the job never wrote {p.name}"
+        time.sleep(0.02)
+
+
+def test_paused_recorder_misses_exactly_the_paused_phase(tmp_path):
+    from watcher.runtime.control import Control
+
+    out, sync = tmp_path / "run", tmp_path / "sync"
+    sync.mkdir()
+    w = subprocess.Popen([sys.executable, "-m", "watcher.cli", "run", "--out", str(out), "--",
+                          sys.executable, "-c", TARGET, str(sync)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_file(sync / "a")
+        ctl = Control(out / "runtime")
+        ctl.paused = 1
+        time.sleep(1.0)  # the collector polls the word at least every 0.25 s
+        (sync / "b").touch()
+        _wait_file(sync / "c")
+        ctl.paused = 0
+        time.sleep(1.0)
+        (sync / "d").touch()
+        assert w.wait(120) == 0, w.stderr.read()
+    finally:
+        w.kill()
+    [(n,)] = query(out / "recording.duckdb", "SELECT count(*) FROM syscall WHERE name = 'getppid'")
+    assert n == 130  # 100 before the pause, 30 after; the 50 in between are not recorded
+    meta = dict(query(out / "recording.duckdb", "SELECT key, value FROM meta"))
+    assert 0.5 < float(meta["paused_s"]) < 30  # paused about 1 s; the collector follows within 0.25 s
