@@ -55,8 +55,10 @@ def steady_median_ms(times: Path) -> float:
 
 
 def watcher_run(out: Path, cmd: list[str], *extra: str) -> None:
-    subprocess.run([sys.executable, "-m", "watcher.cli", "run", "--out", str(out), *extra, "--", *cmd],
-                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.run([sys.executable, "-m", "watcher.cli", "run", "--out", str(out), *extra, "--", *cmd],
+                       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if p.returncode:
+        raise SystemExit(f"watcher run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
 
 
 def runtime_steps(run_dir: Path) -> list[dict]:
@@ -93,6 +95,13 @@ def cpu_ticks(pids: list[int]) -> int:
     return total
 
 
+def steal_ticks() -> int:
+    """CPU time the hypervisor gave to other guests (all CPUs, clock ticks):
+    this VM's main source of window-to-window noise."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8])
+
+
 def steps_ended(steps: list[dict], lo: int, hi: int) -> int:
     return sum(1 for s in steps if lo <= s["end"] <= hi)
 
@@ -118,18 +127,20 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
             time.sleep(0.5)
         ctl = Control(run_dir / "runtime")
         pids = rank_pids() + [proc.pid]  # the ranks and `watcher run` (the collector's threads)
-        cpu = []
+        cpu, steal = [], []
         for i in range(pairs):
-            pair, ticks = {}, {}
+            pair, ticks, st = {}, {}, {}
             for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
                 ctl.paused = 1 if mode == "off" else 0
                 time.sleep(settle_s)  # the collector follows within 0.25 s; the ranks at their next step
-                lo, c0 = time.monotonic_ns(), cpu_ticks(pids)
+                lo, c0, s0 = time.monotonic_ns(), cpu_ticks(pids), steal_ticks()
                 time.sleep(window_s)
                 pair[mode] = (lo, time.monotonic_ns())
                 ticks[mode] = cpu_ticks(pids) - c0
+                st[mode] = steal_ticks() - s0
             windows.append(pair)
             cpu.append(ticks)
+            steal.append(st)
         steps = read_steps(times)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -141,8 +152,9 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
         per_step = {m: ticks[m] / max(steps_ended(steps, *pair[m]), 1) for m in ("off", "on")}
         if ticks["off"] and ticks["on"]:
             cpu_ratios.append(per_step["on"] / per_step["off"])
-    ratios, off_ms, on_ms = [], [], []
+    ratios, off_ms, on_ms, calm = [], [], [], []
     min_steps = max(5, int(window_s / 0.05))  # at least one step per 50 ms of window
+    hz = os.sysconf("SC_CLK_TCK")
     for i, pair in enumerate(windows):
         off = window_median_ms(steps, *pair["off"], min_steps=min_steps)
         on = window_median_ms(steps, *pair["on"], min_steps=min_steps)
@@ -151,6 +163,9 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
         ratios.append(on / off)
         off_ms.append(off)
         on_ms.append(on)
+        # A pair in which the hypervisor took under 1% of the machine in both windows.
+        if max(steal[i].values()) < 0.01 * window_s * hz * os.cpu_count():
+            calm.append(on / off)
     blocks = [statistics.median(ratios[i:i + BLOCK]) for i in range(0, len(ratios) - BLOCK + 1, BLOCK)]
     for b, m in enumerate(blocks):
         print(f"block {b + 1}/{len(blocks)} ({BLOCK} window pairs): median ratio {m:.3f}", file=sys.stderr, flush=True)
@@ -161,6 +176,8 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
            if fp.get("watcher_us") is not None and fp.get("dur") and not fp.get("snapshot")]
     forks = [fp for fp in logged if fp.get("snapshot")]
     return {"pairs": len(ratios), "window_s": window_s, "ratios": ratios,
+            "steal_ticks": steal, "calm_pairs": len(calm),
+            "calm_median_ratio": statistics.median(calm) if calm else None,
             "snapshots": len(forks), "state_copies": sum(1 for fp in logged if fp.get("state_copy_us")),
             "steps_on": len(logged), "snapshot_intervals": sorted({fp.get("snapshot_interval") for fp in forks}),
             "own_time_fraction_median": statistics.median(own) if own else None,
@@ -222,7 +239,7 @@ def bench_snapshots_and_replay(tmp: Path, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=3, help="separate-job pairs (end to end)")
+    ap.add_argument("--pairs", type=int, default=4, help="separate-job pairs (end to end)")
     ap.add_argument("--window-pairs", type=int, default=30, help="on/off window pairs inside one job")
     ap.add_argument("--window-s", type=float, default=2.0)
     ap.add_argument("--steps", type=int, default=120)
@@ -242,6 +259,9 @@ def main() -> None:
         ("Watcher on/off step time, worst block", f"{win['worst_block_ratio']:.3f}",
          f"medians of blocks of {BLOCK} pairs: {', '.join(f'{b:.3f}' for b in win['block_medians'])}; "
          f"worst single pair {win['worst_pair_ratio']:.3f}"),
+        ("Watcher on/off step time, median of calm pairs",
+         f"{win['calm_median_ratio']:.3f}" if win["calm_median_ratio"] else "-",
+         f"{win['calm_pairs']} pairs whose windows lost under 1% of the machine to the hypervisor (steal)"),
         ("Watcher on/off CPU per step, median", f"{win['cpu_median_ratio']:.3f}",
          f"ranks + collector, same windows; worst block {win['cpu_worst_block_ratio']:.3f}"),
         ("Watcher's own time / step time, median", f"{win['own_time_fraction_median']:.3f}",

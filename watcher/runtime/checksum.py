@@ -59,14 +59,39 @@ def tensors_sum(ts) -> int:
     return acc
 
 
-def clone_with_sum(ts) -> tuple[list, int]:
-    """Copies of `ts` and `tensors_sum(ts)`, reading each tensor once."""
+class BufferPool:
+    """Spare tensors by (dtype, shape), for copies made every step and
+    dropped a few milliseconds later (the retry copy of each allreduce):
+    a fresh 1 MB tensor each time costs the allocator an mmap, a munmap and
+    a page fault per 4 KB, more than the copy itself."""
+
+    KEEP = 4  # per (dtype, shape)
+
+    def __init__(self):
+        self.free: dict = {}
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        spare = self.free.get((t.dtype, t.shape))
+        if spare:
+            return spare.pop()
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    def give(self, ts) -> None:
+        for t in ts:
+            spare = self.free.setdefault((t.dtype, t.shape), [])
+            if len(spare) < self.KEEP:
+                spare.append(t)
+
+
+def clone_with_sum(ts, pool: BufferPool | None = None) -> tuple[list, int]:
+    """Copies of `ts` (into `pool`'s spares, when given) and `tensors_sum(ts)`,
+    reading each tensor once."""
     copies, acc = [], 0
     for t in ts:
         t = t.detach()
         n = _words(t) if t.numel() else None
         if n is not None:
-            c = torch.empty_like(t, memory_format=torch.contiguous_format)
+            c = pool.take(t) if pool is not None else torch.empty_like(t, memory_format=torch.contiguous_format)
             s = (LIB.ws_copy_sum(c.data_ptr(), t.data_ptr(), n) * 31 + t.numel()) & _MASK
         else:
             c = t.clone()

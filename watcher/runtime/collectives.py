@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from . import relink
-from .checksum import clone_with_sum, tensors_sum
+from .checksum import BufferPool, clone_with_sum, tensors_sum
 
 
 def _flat(x) -> list:
@@ -112,6 +112,7 @@ class WatchedGroup(dist.ProcessGroup):
         self.ranks = list(range(inner.size()))  # global ranks by group rank; set by wrap()
         self.gloo = None                        # is the transport gloo (rebuildable)? see relink.py
         self.sockets: set[int] = set()          # the transport's socket inodes (transport.py)
+        self.spares = BufferPool()              # for the retry copies of in-place reductions
 
     def _call(self, op: str, args: tuple):
         rt = self.rt
@@ -130,7 +131,7 @@ class WatchedGroup(dist.ProcessGroup):
             # (~0.05 ms per MB here); the checksum is summed while copying.
             relinkable = relink.can_relink(rt, self)
             if relinkable and op in REDUCED_IN_PLACE:
-                saved, in_sum = clone_with_sum(ins)
+                saved, in_sum = clone_with_sum(ins, self.spares)
             else:
                 saved, in_sum = None, tensors_sum(ins)
             self.seq += 1
@@ -168,7 +169,7 @@ class WatchedGroup(dist.ProcessGroup):
                 result = retry(e)  # raises e when the collective cannot be retried
             except Exception:
                 raise e from None  # whatever happened in Watcher, training sees the real failure
-            rt.track_collective(meta, outs, None)
+            rt.track_collective(meta, outs, None, release=self._release(saved))
             return _done_work(result)
         if rt.disabled:
             return work
@@ -180,12 +181,16 @@ class WatchedGroup(dist.ProcessGroup):
                 work.wait()
                 rt.track_collective(meta, outs, None)
                 return _done_work(outs)
-            return rt.track_collective(meta, outs, work, retry, group=self)
+            return rt.track_collective(meta, outs, work, retry, group=self, release=self._release(saved))
         except Exception as e:
             rt.fail(e)
             return work
         finally:
             rt.own_ns += time.perf_counter_ns() - t0
+
+    def _release(self, saved):
+        """What hands a retry copy back to the spares once the collective is recorded (no retry can need it)."""
+        return None if saved is None else (lambda: self.spares.give(saved))
 
     def replace_inner(self, new) -> None:
         """Put a rebuilt transport under this wrapper (see relink.py)."""

@@ -243,12 +243,15 @@ class RankRuntime:
                 fn(self, meta)
                 meta["ts"] = time.monotonic_ns()  # the rank reaches the collective only now
 
-    def track_collective(self, meta: dict, outs: list, work, retry=None, group=None) -> None:
+    def track_collective(self, meta: dict, outs: list, work, retry=None, group=None, release=None) -> None:
         """Record the collective when it completes.  `retry(error)` (for groups
         whose transport Watcher can rebuild) runs the collective again after
-        a failure and returns its result, or raises."""
+        a failure and returns its result, or raises.  `release()` runs once
+        the collective is recorded (its retry copy is free again)."""
         def capture(fut=None):
             t0 = time.perf_counter_ns()
+            if release is not None:
+                release()
             try:
                 for stage, fn in self.fault_hooks:
                     if stage == "collective_output":
