@@ -61,3 +61,28 @@ def test_paused_recorder_misses_exactly_the_paused_phase(tmp_path):
     assert n == 130  # 100 before the pause, 30 after; the 50 in between are not recorded
     meta = dict(query(out / "recording.duckdb", "SELECT key, value FROM meta"))
     assert 0.5 < float(meta["paused_s"]) < 30  # paused about 1 s; the collector follows within 0.25 s
+
+
+def test_no_replay_crosses_a_pause(tmp_path):
+    # Rank 0 pauses Watcher for steps 40..59 from inside the job.  The snapshot
+    # at 32 has no record of those steps: replaying 33..62 from it would "find"
+    # a divergence at step 40 that never happened, so it must not be offered.
+    import json
+
+    from .conftest import watcher
+
+    run = tmp_path / "run"
+    p = watcher("run", "--out", str(run), "--snapshot-interval", "32", "--replay-check", "62", "--",
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                str(ROOT / "tests" / "workloads" / "pause_midway.py"))
+    assert p.returncode == 0, p.stderr
+    for r in (0, 1):
+        logged = [json.loads(line) for line in (run / "runtime" / f"rank{r}.steps.jsonl").read_text().splitlines()]
+        missing = set(range(70)) - {fp["step"] for fp in logged}
+        # The paused steps pass through unrecorded (rank 1 reads the word at its
+        # own step ends, so its edges may fall one step either way).
+        assert set(range(41, 59)) <= missing <= set(range(39, 60))
+        assert [fp["step"] for fp in logged if fp.get("snapshot")] == [32, 64]  # snapshots go on after the pause
+    inc = json.loads((run / "incidents" / "inc-0001.json").read_text())
+    assert inc["window"]["from_step"] is None
+    assert inc["replay"]["reason"] == "no snapshot before the failing step is held by every rank"
