@@ -130,11 +130,13 @@ class KernelRecorder:
         """Record process `pid` and every process it forks from now on."""
         self._traced[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
 
-    def pause(self) -> list[int]:
-        """Stop recording the traced processes (an overhead measurement's
-        "off" window): each probe then returns after one array lookup.
-        Returns the tgids taken out, for `resume`."""
-        out = [k.value for k, v in self._traced.items() if v.value]
+    def pause(self, candidates: list[int]) -> list[int]:
+        """Stop recording the processes among `candidates` (the live ones the
+        collector knows; the traced array spans pid_max, up to 4M entries,
+        too many to scan) for an overhead measurement's "off" window: each
+        probe then returns after one array lookup.  Returns the tgids taken
+        out, for `resume`."""
+        out = [pid for pid in candidates if self.is_traced(pid)]
         for pid in out:
             self._traced[ctypes.c_uint32(pid)] = ctypes.c_uint8(0)
         return out

@@ -387,7 +387,8 @@ class Session:
         except Exception:
             return  # a measurement switch must never stop the recording
         if want and self._paused_pids is None:
-            self._paused_pids = self.recorder.pause()
+            live = [p.pid for p in self.collector.model.processes if p.end_ts is None]
+            self._paused_pids = self.recorder.pause(live)
             self._paused_since = time.monotonic()
         elif not want and self._paused_pids is not None:
             self.recorder.resume(self._paused_pids)
