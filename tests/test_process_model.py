@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,13 @@ from watcher.process_model import ProcessModel
 def ranked_pid():
     """A live process whose environment holds RANK (every row below reads it)."""
     p = subprocess.Popen(["sleep", "60"], env=dict(os.environ, RANK="3", LOCAL_RANK="1", WORLD_SIZE="4"))
+    # Popen returns once exec closed its error pipe, which the kernel does
+    # before it lays out the new environment: until then /proc/PID/environ
+    # reads empty.  Wait for the environment the test gave it.
+    deadline = time.monotonic() + 10
+    while b"RANK=3\0" not in Path(f"/proc/{p.pid}/environ").read_bytes():
+        assert time.monotonic() < deadline, "sleep's environment never appeared"
+        time.sleep(0.01)
     yield p.pid
     p.kill()
     p.wait()
