@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 import torch
@@ -84,6 +85,7 @@ class RankRuntime:
         self.unsupported = None       # why this rank cannot be replayed, if it cannot
         self.in_flight = 0            # collectives issued and not completed
         self.waiting: dict = {}       # (group, seq) -> (meta, group) of those with a completion callback
+        self.callbacks_held: set = set()  # weak refs to completion callbacks gloo's threads still hold
         self.skip_digests: set = set()  # samples a skip_batch prescription keeps out (replay/diagnose.py)
         self.skip_reason = None
         self.exiting = False
@@ -307,7 +309,11 @@ class RankRuntime:
             capture()
             done.set_result(value)
 
-        fut.then(finished)
+        # add_done_callback, not then(): then() leaves a child future holding
+        # a Python object for gloo's thread to free.  The weak reference says
+        # when gloo's thread has let go of `finished` (see quiesce()).
+        self.callbacks_held.add(weakref.ref(finished, self.callbacks_held.discard))
+        fut.add_done_callback(finished)
         return _done_later(done)
 
     def _retry(self, retry, error, capture, done) -> None:
@@ -372,10 +378,7 @@ class RankRuntime:
             if len(self.step_ns) > 64:
                 del self.step_ns[:32]
         self.last_end_ns = fp["ts"]
-        for meta, copies in colls:
-            if copies is not None:
-                meta["out_sum"] = tensors_sum(copies)
-            self.coll_log.write(json.dumps(meta) + "\n")
+        self._log_colls(colls)
         fp["snapshot"] = False
         self.ctl.beacon(self.rank, k, fp["param_sum"])
         incident = self.detect(fp)
@@ -436,6 +439,24 @@ class RankRuntime:
 
     def _measure_snapshot(self, pid: int) -> None:
         self.snapshot_mb = _private_mb(pid)
+
+    def _log_colls(self, colls: list) -> None:
+        for meta, copies in colls:
+            if copies is not None:
+                meta["out_sum"] = tensors_sum(copies)
+            self.coll_log.write(json.dumps(meta) + "\n")
+
+    def _log_last_colls(self) -> None:
+        """Collectives after the last optimizer step (a final barrier, an
+        evaluation's all_reduce) belong to a step that never ends: at exit
+        they are logged under its number."""
+        if self.mode != "live":
+            return
+        colls, self.done_colls = self.done_colls, []
+        try:
+            self._log_colls(colls)
+        except Exception as e:
+            self.fail(e)
 
     def flush_logs(self) -> None:
         self.steps_log.flush()
@@ -555,10 +576,32 @@ class RankRuntime:
         """The training loop is over.  An incident opened in its last steps,
         whose halt step never came, is handled now, at this final boundary."""
         self.exiting = True
+        try:
+            self._at_exit()
+        finally:
+            self.quiesce()
+
+    def quiesce(self, timeout: float = 2.0) -> None:
+        """Wait until gloo's threads have let go of every completion callback.
+
+        Each callback's last reference is dropped on gloo's thread, which
+        takes the GIL for it.  A thread taking the GIL once the interpreter
+        is finalizing is ended by pthread_exit, which unwinds through C++
+        destructors and aborts the process ("terminate called without an
+        active exception").  A rank that exits right after its last
+        collective would die of SIGABRT one time in a few without this wait.
+        It lasts microseconds at a normal exit; a collective still in flight
+        (a peer died) is given `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.callbacks_held and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _at_exit(self) -> None:
         if self.abnormal_exit and self.mode == "live" and self.active and not self.disabled:
             # Dying of an exception (a peer crashed, the job is failing): the
             # snapshots and the window stay, orphaned for a short while, so
             # `watcher run` can replay every rank up to the crash together.
+            self._log_last_colls()
             self.flush_logs()
             self.seg.flush()
             return
@@ -580,6 +623,7 @@ class RankRuntime:
     def close(self) -> None:
         if self.active:
             try:
+                self._log_last_colls()
                 self.flush_logs()
             except (OSError, ValueError):
                 pass
