@@ -36,6 +36,8 @@ from ..runtime.control import AGREE_EVERY
 
 PR_SET_PDEATHSIG = 1
 ORPHAN_WAIT_S = float(os.environ.get("WATCHER_ORPHAN_WAIT", "20"))
+# Asks a snapshot for its Python stacks (faulthandler), when it does not answer an order.
+STACK_SIGNAL = signal.SIGRTMIN + 3
 _gomp = None
 
 
@@ -102,8 +104,10 @@ class SnapshotPolicy:
 
 
 class ForkSnapshot:
-    def __init__(self, pid: int, step: int, cmd_w: int, resp_r: int, fork_ns: int, run_dir: Path, rank: int):
+    def __init__(self, pid: int, step: int, cmd_w: int, resp_r: int, fork_ns: int, run_dir: Path, rank: int,
+                 window_dir: Path | None = None):
         self.pid, self.step = pid, step
+        self.window_dir = window_dir or run_dir
         self.cmd_w, self.resp_r = cmd_w, resp_r
         self.fork_ns = fork_ns
         self.run_dir, self.rank = run_dir, rank
@@ -125,6 +129,7 @@ class ForkSnapshot:
             try:
                 os.close(cmd_w)
                 os.close(resp_r)
+                _arm_stack_dump(rt)
                 _drop_shared_endpoints(keep={cmd_r, resp_w})
                 order, listener_w = _serve(rt, k, cmd_r, resp_w)
                 _enter_replay(rt, order, listener_w)
@@ -143,7 +148,7 @@ class ForkSnapshot:
         os.close(resp_w)
         fork_ns = time.perf_counter_ns() - t0
         rt.snap_policy.fork_ns.append(fork_ns)
-        return cls(pid, k, cmd_w, resp_r, fork_ns, rt.run_dir, rt.rank)
+        return cls(pid, k, cmd_w, resp_r, fork_ns, rt.run_dir, rt.rank, rt.window_dir)
 
     def replay(self, to_step: int, out_dir: Path, timeout: float = 300.0,
                exchange: Path | None = None, variant: dict | None = None, state_copy: int | None = None) -> dict:
@@ -161,6 +166,11 @@ class ForkSnapshot:
         os.write(self.cmd_w, (json.dumps(order) + "\n").encode())
         reply = _read_reply(self.resp_r, timeout)
         reply["wall_s"] = round(time.monotonic() - t0, 3)
+        if reply.get("timeout") and not reply.get("pid"):
+            # The snapshot never started the replay: say where it is stuck.
+            reply["snapshot_stack"] = self.stack()
+            print(f"watcher: rank {self.rank}: snapshot {self.step} (pid {self.pid}) did not answer a replay "
+                  f"order in {timeout:.0f} s; its stacks:\n{reply['snapshot_stack']}", file=sys.stderr, flush=True)
         if reply.get("timeout") and reply.get("pid"):
             try:
                 os.kill(reply["pid"], signal.SIGKILL)
@@ -192,11 +202,30 @@ class ForkSnapshot:
                 pass
         return True
 
+    def _stack_path(self) -> Path:
+        return _stack_path(self.window_dir, self.pid)
+
+    def stack(self) -> str | None:
+        """The snapshot's Python stacks, every thread, dumped by faulthandler on request."""
+        try:
+            os.kill(self.pid, STACK_SIGNAL)
+        except OSError:
+            return None
+        time.sleep(0.5)
+        try:
+            return self._stack_path().read_text()[-8000:] or None
+        except OSError:
+            return None
+
     def release(self) -> None:
         """Let the snapshot go; it is reaped in the background."""
         if self.released:
             return
         self.released = True
+        try:
+            self._stack_path().unlink()
+        except OSError:
+            pass
         try:
             os.kill(self.pid, signal.SIGKILL)
         except OSError:
@@ -228,6 +257,23 @@ def _preload() -> None:
     unwind in a gloo thread) would be held forever in the child."""
     from . import exchange, sandbox, state, variants  # noqa: F401
     from ..runtime import window  # noqa: F401
+
+
+def _stack_path(window_dir: Path, pid: int) -> Path:
+    return Path(window_dir) / f"snapshot-{pid}.stack"
+
+
+def _arm_stack_dump(rt) -> None:
+    """In the snapshot: dump every thread's Python stack to a file in the
+    window directory on STACK_SIGNAL (a real-time signal, which no launcher
+    sends), so a snapshot that never answers can say where it is stuck."""
+    try:
+        import faulthandler
+
+        rt._stack_file = open(_stack_path(rt.window_dir, os.getpid()), "w")
+        faulthandler.register(STACK_SIGNAL, file=rt._stack_file, all_threads=True)
+    except Exception:
+        pass  # a snapshot without this still serves replays
 
 
 def _reap(pid: int) -> None:
