@@ -244,10 +244,17 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=2.0)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "run.json"))
+    ap.add_argument("--windows-only", action="store_true",
+                    help="only the on/off windows inside one job (a quick comparison of two settings)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="watcher-bench-run-") as d:
         tmp = Path(d)
         win = bench_watcher_windows(tmp, args.window_pairs, args.window_s)
+        if args.windows_only:
+            Path(args.out).parent.mkdir(exist_ok=True)
+            Path(args.out).write_text(json.dumps({"watcher_windows": win}, indent=1))
+            print(json.dumps({k: v for k, v in win.items() if not isinstance(v, list)}, indent=1))
+            return
         over = bench_overhead(tmp, args.pairs, args.steps)
         snap = bench_snapshots_and_replay(tmp, 64)
     result = {"watcher_windows": win, "overhead": over, "snapshots_and_replay": snap, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
