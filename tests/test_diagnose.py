@@ -296,8 +296,8 @@ def test_release_ends_the_snapshots_and_the_report_needs_only_the_recording(dril
 
 def _fake_rank(tmp_path: Path):
     """What a snapshot reads from its rank's runtime, for a snapshot of this test process."""
-    return SimpleNamespace(dir=tmp_path, run_dir=tmp_path, rank=0, disabled=False, _forking_snapshot=False,
-                           snap_policy=SimpleNamespace(fork_ns=[]))
+    return SimpleNamespace(dir=tmp_path, run_dir=tmp_path, window_dir=tmp_path, rank=0, disabled=False,
+                           _forking_snapshot=False, snap_policy=SimpleNamespace(fork_ns=[]))
 
 
 def _wait_exit(pid: int, within: float) -> int | None:
