@@ -86,6 +86,7 @@ class RankRuntime:
         self.in_flight = 0            # collectives issued and not completed
         self.waiting: dict = {}       # (group, seq) -> (meta, group) of those with a completion callback
         self.callbacks_held: set = set()  # weak refs to completion callbacks gloo's threads still hold
+        self.retries: list = []       # threads retrying a failed collective (relink.py), joined at exit
         self.skip_digests: set = set()  # samples a skip_batch prescription keeps out (replay/diagnose.py)
         self.skip_reason = None
         self.exiting = False
@@ -303,8 +304,10 @@ class RankRuntime:
                     self.waiting.pop((meta["group"], meta["seq"]), None)
                     done.set_exception(e)
                 else:  # rebuild and retry off gloo's thread
-                    threading.Thread(target=self._retry, args=(retry, e, capture, done), daemon=True,
-                                     name="watcher-relink").start()
+                    t = threading.Thread(target=self._retry, args=(retry, e, capture, done), daemon=True,
+                                         name="watcher-relink")
+                    self.retries = [r for r in self.retries if r.is_alive()] + [t]
+                    t.start()
                 return
             capture()
             done.set_result(value)
@@ -595,6 +598,9 @@ class RankRuntime:
         deadline = time.monotonic() + timeout
         while self.callbacks_held and time.monotonic() < deadline:
             time.sleep(0.001)
+        # A retry thread waits inside gloo's C++ as well: the same applies.
+        for t in self.retries:
+            t.join(max(deadline - time.monotonic(), 0))
 
     def _at_exit(self) -> None:
         if self.abnormal_exit and self.mode == "live" and self.active and not self.disabled:
