@@ -107,7 +107,7 @@ class ForkSnapshot:
     def __init__(self, pid: int, step: int, cmd_w: int, resp_r: int, fork_ns: int, run_dir: Path, rank: int,
                  window_dir: Path | None = None):
         self.pid, self.step = pid, step
-        self.window_dir = window_dir or run_dir
+        self.stack_path = _stack_path(window_dir or run_dir, pid)  # where it dumps its stacks (stack())
         self.cmd_w, self.resp_r = cmd_w, resp_r
         self.fork_ns = fork_ns
         self.run_dir, self.rank = run_dir, rank
@@ -202,9 +202,6 @@ class ForkSnapshot:
                 pass
         return True
 
-    def _stack_path(self) -> Path:
-        return _stack_path(self.window_dir, self.pid)
-
     def stack(self) -> str | None:
         """The snapshot's Python stacks, every thread, dumped by faulthandler on request."""
         try:
@@ -213,7 +210,7 @@ class ForkSnapshot:
             return None
         time.sleep(0.5)
         try:
-            return self._stack_path().read_text()[-8000:] or None
+            return self.stack_path.read_text()[-8000:] or None
         except OSError:
             return None
 
@@ -223,7 +220,7 @@ class ForkSnapshot:
             return
         self.released = True
         try:
-            self._stack_path().unlink()
+            self.stack_path.unlink()
         except OSError:
             pass
         try:
