@@ -59,3 +59,48 @@ def query(path: Path, sql: str, params=None):
 @pytest.fixture
 def py() -> str:
     return sys.executable
+
+
+# Every process a test starts inherits this mark, so whatever a module leaves
+# running (a stopped snapshot, a rank of a job that went wrong) can be found
+# afterwards: it is reported and killed before the next module starts, where
+# it could only take CPU from, or otherwise disturb, tests that do not expect it.
+SESSION_MARK = f"WATCHER_TEST_SESSION={os.getpid()}".encode()
+os.environ["WATCHER_TEST_SESSION"] = str(os.getpid())
+
+
+def _marked_processes() -> list[tuple[int, str]]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if SESSION_MARK not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        found.append((int(entry), cmd))
+    return found
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_leftover_processes(request):
+    yield
+    import signal
+    import time
+    import warnings
+
+    deadline = time.monotonic() + 5  # processes on their way out get a moment
+    left = _marked_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _marked_processes()
+    for pid, cmd in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        warnings.warn(f"{request.module.__name__} left pid {pid} running ({cmd[:200]}); killed it")
