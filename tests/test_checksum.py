@@ -105,3 +105,48 @@ def test_grad_norm_in_one_pass_matches_the_norm_and_repeats_bit_for_bit(lib, mon
     slow = checksum.GradNorm()([t.clone() for t in grads])
     assert abs(slow - float(torch.sqrt(sum((t.double() ** 2).sum() for t in grads)))) <= 1e-9 * slow
     assert checksum.GradNorm()([]) == 0.0
+
+
+def test_reduced_gradient_norm_comes_from_the_output_checksum_pass(lib, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    # Two "buckets" holding the gradients back to back, as DDP's reducer lays them out.
+    grads = [torch.randn(n, generator=g) * s for n, s in ((7, 1.0), (1000, 0.1), (40_003, 2.0), (70_000, 1e-2))]
+    buckets = [torch.cat([t.reshape(-1) for t in grads[:2]]), torch.cat([t.reshape(-1) for t in grads[2:]])]
+    with_lib(monkeypatch, lib)
+    expected_sums = [checksum.tensors_sum([b]) for b in buckets]
+    parts = [checksum.tensors_sum_sumsq([b]) for b in buckets]
+    assert [p[0] for p in parts] == expected_sums  # the checksum is unchanged
+    assert [p[2] for p in parts] == [1007, 110_003]
+    exact = float(torch.sqrt(sum((t.double() ** 2).sum() for t in grads)))
+
+    norm = checksum.ReducedGradNorm()
+    # Completed out of order (gloo's threads): the parts are added by issue order.
+    norm.add({"step": 4, "group": "0", "seq": 9, "reduce_op": "SUM"}, parts[1][1], parts[1][2])
+    norm.add({"step": 4, "group": "0", "seq": 8, "reduce_op": "SUM"}, parts[0][1], parts[0][2])
+    got = norm(4, grads)
+    assert abs(got - exact) <= 1e-6 * exact
+    in_order = checksum.ReducedGradNorm()
+    for seq, p in zip((8, 9), parts):
+        in_order.add({"step": 4, "group": "0", "seq": seq, "reduce_op": "SUM"}, p[1], p[2])
+    assert in_order(4, grads) == got  # bit for bit, whatever the completion order
+
+    # Reductions that do not cover the gradients exactly (a user's loss
+    # allreduce besides, a MAX, none at all): the gradients are read instead.
+    direct = checksum.GradNorm()(grads)
+    assert norm(5, grads) == direct
+    norm.add({"step": 6, "group": "0", "seq": 10, "reduce_op": "SUM"}, parts[0][1], parts[0][2])
+    assert norm(6, grads) == direct
+    for p in parts:
+        norm.add({"step": 7, "group": "0", "seq": 11, "reduce_op": "MAX"}, p[1], p[2])
+    assert norm(7, grads) == direct
+    norm.add({"step": 8, "group": "0", "seq": 12, "reduce_op": "SUM"}, None, 0)  # not float32
+    assert norm(8, grads) == direct and not norm.parts
+
+    # Overflow and NaN behave as the direct norm's.
+    buckets[1][5] = 3e38
+    over = checksum.tensors_sum_sumsq([buckets[1]])
+    norm.add({"step": 9, "group": "0", "seq": 13}, parts[0][1], parts[0][2])
+    norm.add({"step": 9, "group": "0", "seq": 14}, over[1], over[2])
+    assert norm(9, grads) == float("inf")
+    with_lib(monkeypatch, None)
+    assert checksum.tensors_sum_sumsq(buckets)[1] is None  # without wordsum.c: no fused pass

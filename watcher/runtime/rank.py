@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from . import collectives, relink, transport
-from .collectives import COMPUTED_IN_REPLAY
-from .checksum import GradNorm, ParamChecksum, object_sum, rng_digest, tensors_sum
+from .collectives import COMPUTED_IN_REPLAY, SUMMED_GRADIENTS
+from .checksum import ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum, tensors_sum_sumsq
 from .control import Control, process_state, read_json, write_json
 from .window import END_OF_DATA, SegmentWriter
 
@@ -96,7 +96,7 @@ class RankRuntime:
         self.modules = None           # id -> module owning the main optimizer's parameters (for a merge)
         self.schedulers = None        # the LR schedulers of the main optimizer (for a state copy)
         self.param_sum = ParamChecksum()
-        self.grad_norm = GradNorm()
+        self.grad_norm = ReducedGradNorm()
         self.snapshot_mb: float | None = None  # private MB of the last snapshot measured (step_end)
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
@@ -266,7 +266,11 @@ class RankRuntime:
                     # A replay computes these outputs from every rank's replayed
                     # inputs: the record keeps only their checksum, taken before
                     # anyone can read (or overwrite) them.
-                    meta["out_sum"] = tensors_sum(outs)
+                    if meta["op"] in SUMMED_GRADIENTS:  # DDP's buckets: the gradient norm's pass too
+                        meta["out_sum"], sumsq, count = tensors_sum_sumsq(outs)
+                        self.grad_norm.add(meta, sumsq, count)
+                    else:
+                        meta["out_sum"] = tensors_sum(outs)
                     self.seg.put(("coll", meta, None))
                     self.done_colls.append((meta, None))
                     return
@@ -355,15 +359,15 @@ class RankRuntime:
         k = self.step
         now = time.monotonic_ns()
         self.fp_perf = time.perf_counter_ns()  # the step's end: what follows is the next step's time
-        params = [p for g in self.main_opt.param_groups for p in g["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        gn = self.grad_norm(grads)
-        loss = float(self.last_loss) if self.last_loss is not None else None
         for item in list(self.pending):
             meta, outs, work, capture = item
             if work.is_completed():
                 capture()
                 self.pending.remove(item)
+        params = [p for g in self.main_opt.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        gn = self.grad_norm(k, grads)
+        loss = float(self.last_loss) if self.last_loss is not None else None
         colls, self.done_colls = self.done_colls, []
         bsums, self.batch_sums = self.batch_sums, []
         return {"step": k, "rank": self.rank, "ts": now,

@@ -36,6 +36,35 @@ uint32_t ws_sum_many(const uint64_t *ptrs, const uint64_t *counts, size_t k)
     return acc;
 }
 
+/* The sum of squares of n floats in blocks of 1024 values (see below);
+ * with `words`, the word sum of each block is added to *words while the
+ * block is in L1, so both come from one read of memory. */
+static double sumsq_f32(const float *x, size_t n, uint32_t *words)
+{
+    double total = 0;
+    size_t i = 0;
+    while (i + 16 <= n) {
+        size_t blocks = (n - i) / 16, from = i;
+        if (blocks > 64)
+            blocks = 64;
+        float lane[16] = {0};
+        for (size_t b = 0; b < blocks; b++, i += 16)
+            for (int l = 0; l < 16; l++)
+                lane[l] += x[i + l] * x[i + l];
+        double s = 0;
+        for (int l = 0; l < 16; l++)
+            s += lane[l];
+        total += s;
+        if (words)
+            *words += ws_sum((const uint32_t *)(x + from), i - from);
+    }
+    if (words)
+        *words += ws_sum((const uint32_t *)(x + i), n - i);
+    for (; i < n; i++)
+        total += (double)x[i] * x[i];
+    return total;
+}
+
 /* The sum of squares of k float32 buffers (ptrs[i] holds counts[i] floats):
  * the gradient norm in one call, where torch's per-tensor norms, stack and
  * norm cost ~90 us of dispatch for the reference model's 29 tensors.  Sixteen
@@ -46,26 +75,20 @@ uint32_t ws_sum_many(const uint64_t *ptrs, const uint64_t *counts, size_t k)
 double ws_sumsq_f32_many(const uint64_t *ptrs, const uint64_t *counts, size_t k)
 {
     double total = 0;
-    for (size_t j = 0; j < k; j++) {
-        const float *x = (const float *)(uintptr_t)ptrs[j];
-        size_t n = counts[j], i = 0;
-        while (i + 16 <= n) {
-            size_t blocks = (n - i) / 16;
-            if (blocks > 64)
-                blocks = 64;
-            float lane[16] = {0};
-            for (size_t b = 0; b < blocks; b++, i += 16)
-                for (int l = 0; l < 16; l++)
-                    lane[l] += x[i + l] * x[i + l];
-            double s = 0;
-            for (int l = 0; l < 16; l++)
-                s += lane[l];
-            total += s;
-        }
-        for (; i < n; i++)
-            total += (double)x[i] * x[i];
-    }
+    for (size_t j = 0; j < k; j++)
+        total += sumsq_f32((const float *)(uintptr_t)ptrs[j], counts[j], NULL);
     return total;
+}
+
+/* The word sum of n float32 values, and their sum of squares into *sumsq
+ * (the same bits as ws_sumsq_f32_many over this one buffer), from one read
+ * of memory: a reduced gradient's checksum and its part of the gradient
+ * norm together. */
+uint32_t ws_sum_sumsq_f32(const float *p, size_t n, double *sumsq)
+{
+    uint32_t acc = 0;
+    *sumsq = sumsq_f32(p, n, &acc);
+    return acc;
 }
 
 /* Copies k buffers (ptrs[i], nbytes[i] bytes) into dst back to back: a

@@ -59,6 +59,8 @@ def load(path: str | None):
     lib.ws_copy_sum.argtypes, lib.ws_copy_sum.restype = [ctypes.c_void_p, ctypes.c_void_p, size], u32
     lib.ws_sum_many.argtypes, lib.ws_sum_many.restype = [u64p, u64p, size], u32
     lib.ws_sumsq_f32_many.argtypes, lib.ws_sumsq_f32_many.restype = [u64p, u64p, size], ctypes.c_double
+    lib.ws_sum_sumsq_f32.argtypes = [ctypes.c_void_p, size, ctypes.POINTER(ctypes.c_double)]
+    lib.ws_sum_sumsq_f32.restype = u32
     lib.ws_gather.argtypes, lib.ws_gather.restype = [ctypes.c_void_p, u64p, u64p, size], None
     return lib
 
