@@ -445,6 +445,13 @@ class _Orphan:
                 except OSError:
                     pass
         self.rt, self.k, self.retained = rt, k, retained
+        # Named for `ps` and friends: an orphaned snapshot is not a rank
+        # that failed to exit (the name is 15 bytes at most).
+        try:
+            with open("/proc/self/comm", "w") as f:
+                f.write(f"watcher-snap-r{rt.rank}"[:15])
+        except OSError:
+            pass
         self.crash_order = rt.dir / f"crash_replay.rank{rt.rank}.step{k}.json"
         # Without retention only a crash replay can come, and soon.
         wait = retained["until"] - time.time() if retained else ORPHAN_WAIT_S

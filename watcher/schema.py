@@ -218,7 +218,9 @@ TABLES: tuple[Table, ...] = (
         C("ts", TS, "When the step ended (its optimizer step returned)."),
         C("dur", TS, "Time since the previous step ended, NULL for the first."),
         C("loss", "DOUBLE", "Loss of the step: the root of its last scalar backward()."),
-        C("grad_norm", "DOUBLE", "L2 norm of the main optimizer's gradients."),
+        C("grad_norm", "DOUBLE", "L2 norm of the main optimizer's gradients: as reduced across ranks (before any "
+                                  "clipping) where the step's float32 allreduces carry exactly the gradients, as DDP's do; "
+                                  "otherwise as the optimizer finds them."),
         C("param_sum", "BIGINT", "Checksum of the parameters after the update (equal across DDP replicas)."),
         C("batch_sum", "BIGINT", "Checksum of the batches fetched during the step, NULL if none was seen."),
         C("rng", "BIGINT", "CRC32 of the CPU generator state."),
