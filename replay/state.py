@@ -20,8 +20,8 @@ import traceback
 
 import torch
 
-from ..runtime.checksum import tensors_sum, tensors_sum_sumsq
-from ..runtime.collectives import SUMMED_GRADIENTS, _done_work
+from ..runtime.checksum import tensors_sum
+from ..runtime.collectives import _done_work
 from ..runtime.window import END_OF_DATA
 from .exchange import REDUCED, PeerEnded, compute_outputs
 from .merge import training_state
@@ -105,11 +105,7 @@ class ReplayState:
             # The inputs of every rank are as recorded, yet this rank received
             # something else: the live transfer corrupted it.  (Checksums
             # compare bits, so NaN outputs can match.)
-            if meta["op"] in SUMMED_GRADIENTS:  # as the live rank summed them (rank.py)
-                out_sum, sumsq, count = tensors_sum_sumsq(outs)
-                rt.grad_norm.add(meta, sumsq, count)
-            else:
-                out_sum = tensors_sum(outs)
+            out_sum = rt.grad_norm.out_sum(meta, outs)  # as the live rank summed them
             entry["out_match"] = out_sum == (rec.get("out_sum") if recorded is None else tensors_sum(recorded))
             if where is None and all(g["in_match"] for g in got) and not entry["out_match"]:
                 where = "communication"

@@ -207,6 +207,10 @@ class GradNorm:
         return math.inf if total > _FLT_MAX else math.sqrt(total)
 
 
+# Reductions whose float32 outputs can be the gradients (DDP's buckets).
+SUMMED_GRADIENTS = frozenset({"allreduce", "allreduce_coalesced"})
+
+
 class ReducedGradNorm:
     """The gradient norm from the sums of squares of the step's gradient
     reductions, taken while their outputs were checksummed: under DDP (or
@@ -225,6 +229,15 @@ class ReducedGradNorm:
     def __init__(self):
         self.parts: dict = {}   # step -> [(group, seq, sumsq, count)]; appended from gloo's threads
         self.direct = GradNorm()
+
+    def out_sum(self, meta: dict, outs: list) -> int:
+        """The output checksum of a completed collective (live, or computed
+        in a replay); a gradient reduction's sum of squares is kept on the way."""
+        if meta["op"] not in SUMMED_GRADIENTS:
+            return tensors_sum(outs)
+        total, sumsq, count = tensors_sum_sumsq(outs)
+        self.add(meta, sumsq, count)
+        return total
 
     def add(self, meta: dict, sumsq: float | None, count: int) -> None:
         if sumsq is not None and meta.get("reduce_op", "SUM") in ("SUM", "AVG"):

@@ -98,11 +98,6 @@ COMPUTED_IN_REPLAY = frozenset({"allreduce", "allreduce_coalesced", "broadcast",
                                 "barrier"})
 
 
-# Reductions whose float32 outputs can be the gradients (DDP's buckets): their
-# output checksum also sums squares, for the gradient norm (checksum.ReducedGradNorm).
-SUMMED_GRADIENTS = frozenset({"allreduce", "allreduce_coalesced"})
-
-
 # Collectives whose transport overwrites their inputs as it goes.
 REDUCED_IN_PLACE = frozenset({"allreduce", "allreduce_coalesced"})
 

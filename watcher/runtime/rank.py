@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from . import collectives, relink, transport
-from .collectives import COMPUTED_IN_REPLAY, SUMMED_GRADIENTS
-from .checksum import ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum, tensors_sum_sumsq
+from .collectives import COMPUTED_IN_REPLAY
+from .checksum import ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum
 from .control import Control, process_state, read_json, write_json
 from .window import END_OF_DATA, SegmentWriter
 
@@ -266,11 +266,7 @@ class RankRuntime:
                     # A replay computes these outputs from every rank's replayed
                     # inputs: the record keeps only their checksum, taken before
                     # anyone can read (or overwrite) them.
-                    if meta["op"] in SUMMED_GRADIENTS:  # DDP's buckets: the gradient norm's pass too
-                        meta["out_sum"], sumsq, count = tensors_sum_sumsq(outs)
-                        self.grad_norm.add(meta, sumsq, count)
-                    else:
-                        meta["out_sum"] = tensors_sum(outs)
+                    meta["out_sum"] = self.grad_norm.out_sum(meta, outs)  # DDP's buckets: the norm's pass too
                     self.seg.put(("coll", meta, None))
                     self.done_colls.append((meta, None))
                     return
