@@ -51,16 +51,19 @@ def in_root(pid: int, path: str) -> str:
         return path
 
 
-def mapped_files(pid: int) -> set[str]:
-    out = set()
+def mapped_files(pid: int) -> dict[str, str] | None:
+    """File -> start address of its first mapping, for every file `pid` maps;
+    None if the process is gone.  A rank maps thousands of regions: one read
+    per scan serves both the library probes and the interpreter lookup."""
+    out: dict[str, str] = {}
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
                 parts = line.split(None, 5)
                 if len(parts) == 6 and parts[5].startswith("/"):
-                    out.add(parts[5].rstrip("\n"))
+                    out.setdefault(parts[5].rstrip("\n"), parts[0].split("-", 1)[0])
     except OSError:
-        pass
+        return None
     return out
 
 
@@ -85,9 +88,12 @@ class LibraryProber:
             if not os.path.exists(f"/proc/{pid}"):
                 self.forget(pid)
         for pid in pids:
+            maps = mapped_files(pid)
+            if maps is None:
+                continue
             if self.python_stacks:
-                self._find_interpreter(pid)
-            for path in mapped_files(pid):
+                self._find_interpreter(pid, maps)
+            for path in maps:
                 if LOADER.search(os.path.basename(path)):
                     self._watch_loader(in_root(pid, path))
                     continue
@@ -106,7 +112,7 @@ class LibraryProber:
         self.warnings += new_warnings
         return new_warnings
 
-    def _find_interpreter(self, pid: int) -> None:
+    def _find_interpreter(self, pid: int, maps: dict[str, str]) -> None:
         """Tell the BPF side where `pid`'s interpreter state lives, so calls
         from it carry their Python stack.  Keyed by where the interpreter
         is mapped: an exec (a new image, or the same one moved by ASLR)
@@ -114,16 +120,8 @@ class LibraryProber:
         not mapped yet (just exec'd) is looked at again on the next scan."""
         from .python_frames import LIBPYTHON, interpreter
 
-        starts: dict[str, str] = {}  # interpreter file -> where its first mapping starts
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    parts = line.split()
-                    if len(parts) == 6 and LIBPYTHON.search(parts[5]):
-                        starts.setdefault(parts[5], parts[0].split("-", 1)[0])
-        except OSError:
-            return
-        where = tuple(sorted(starts.items())) or None
+        # interpreter file -> where its first mapping starts
+        where = tuple(sorted((path, start) for path, start in maps.items() if LIBPYTHON.search(path))) or None
         key = (pid, where)
         if key in self.interpreters:
             return

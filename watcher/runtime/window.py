@@ -278,6 +278,7 @@ def _raw_tensor(dtype: str, shape: tuple, nbytes: int, requires_grad: bool):
 class _Pickler(pickle.Pickler):
     def __init__(self, f, tensors: list):
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.buf = f
         self.tensors = tensors
 
     def reducer_override(self, obj):
@@ -288,10 +289,22 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+# One pickler per thread, kept between records: making a Pickler costs more
+# than pickling a collective's or a step's record (3.0 us against 1.2 us
+# here).  Records are written from the training thread and gloo's threads.
+_picklers = threading.local()
+
+
 def encode(record) -> list:
-    buf = io.BytesIO()
-    tensors: list = []
-    _Pickler(buf, tensors).dump(record)
+    p = getattr(_picklers, "p", None)
+    if p is None:
+        p = _picklers.p = _Pickler(io.BytesIO(), [])
+    buf, tensors = p.buf, []
+    p.tensors = tensors
+    buf.seek(0)
+    buf.truncate()
+    p.clear_memo()
+    p.dump(record)
     head = buf.getvalue()
     parts = [_U64.pack(len(head)), head]
     for t in tensors:
