@@ -26,7 +26,7 @@ ORDER BY blocked_ns DESC;
 -- column: total_ns -- Total time in the call.
 -- column: avg_ns -- Mean time per call.
 -- column: threads -- Threads that made the call.
--- column: idle_skipped -- Idle poll timeouts among the calls, counted but not logged.
+-- column: idle_skipped -- Calls counted but not logged (idle polls, socket transfers that did not block).
 SELECT name, sum(count)::BIGINT AS calls, sum(dur_total)::BIGINT AS total_ns,
        (sum(dur_total) / nullif(sum(count), 0))::BIGINT AS avg_ns,
        count(DISTINCT utid) AS threads, sum(idle_skipped)::BIGINT AS idle_skipped

@@ -36,7 +36,8 @@ UPROBES_DIR = HERE.parent / "uprobes"
 class RecorderConfig:
     probes: tuple[str, ...] = ALL_PROBES
     log_idle_polls: bool = False
-    # Poll-class calls returning ready faster than this are counted, not logged.
+    log_quick_socket_io: bool = False  # log socket transfers that did not block, too
+    # Poll-class calls returning ready, and socket transfers, faster than this are counted, not logged.
     poll_log_min_ns: int = 1_000_000
     ring_pages: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_RING_PAGES))
     op_pattern: str | None = None   # opt-in operator probes: at::_ops::<op>::call, op matching this
@@ -64,7 +65,8 @@ class RecorderConfig:
         return max(1, min(16, -(-(n * 5 // 4) // 16)))
 
     def cflags(self) -> list[str]:
-        flags = [f"-I{HERE}", f"-DLOG_IDLE_POLLS={int(self.log_idle_polls)}", f"-DPID_MAX={pid_max()}",
+        flags = [f"-I{HERE}", f"-DLOG_IDLE_POLLS={int(self.log_idle_polls)}",
+                 f"-DLOG_QUICK_SOCKET_IO={int(self.log_quick_socket_io)}", f"-DPID_MAX={pid_max()}",
                  f"-DHAVE_GROUP_DEAD={int(has_group_dead())}",
                  f"-DPOLL_LOG_MIN_NS={int(self.poll_log_min_ns)}ULL"]
         for probe in KERNEL_PROBES:

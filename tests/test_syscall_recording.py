@@ -54,6 +54,46 @@ def test_idle_polls_are_counted_not_logged(tmp_path, py):
     assert ret == 1 and dur >= 40_000_000
 
 
+SOCKET_TRANSFERS = textwrap.dedent("""
+    import socket, threading, time
+    a, b = socket.socketpair()
+    # 200 sends and 200 receives that move data at once: counted, not logged.
+    for _ in range(200):
+        a.send(b"ping")
+        b.recv(4)
+    # 30 receives on an empty non-blocking socket (EAGAIN): counted, not logged
+    b.setblocking(False)
+    for _ in range(30):
+        try:
+            b.recv(4)
+        except BlockingIOError:
+            pass
+    b.setblocking(True)
+    # one receive that blocks 50 ms until another thread sends: logged
+    threading.Thread(target=lambda: (time.sleep(0.05), a.send(b"late"))).start()
+    b.recv(4)
+    # one that meets end-of-stream (ret 0): logged
+    a.close()
+    assert b.recv(4) == b""
+    raise SystemExit(3)
+""")
+
+
+def test_quick_socket_transfers_are_counted_not_logged(tmp_path, py):
+    out = tmp_path / "rec.duckdb"
+    proc = record(out, py, "-c", SOCKET_TRANSFERS)
+    assert proc.returncode == 3, proc.stderr
+    # Python's socket.send/recv are sendto/recvfrom with no address.
+    stats = dict((name, (c, i, lg)) for name, c, i, lg in query(
+        out, "SELECT name, sum(count), sum(idle_skipped), sum(logged) FROM syscall_stat "
+             "WHERE name IN ('sendto', 'recvfrom') GROUP BY name"))
+    assert stats["sendto"] == (201, 201, 0)
+    assert stats["recvfrom"] == (232, 230, 2)
+    rows = query(out, "SELECT ret, dur FROM syscall WHERE name = 'recvfrom' ORDER BY ts")
+    assert [r[0] for r in rows] == [4, 0]
+    assert rows[0][1] >= 40_000_000
+
+
 def test_meta_describes_the_recording(tmp_path, py):
     out = tmp_path / "rec.duckdb"
     assert record(out, py, "-c", "pass").returncode == 0

@@ -193,9 +193,10 @@ TABLES: tuple[Table, ...] = (
         C("count", "BIGINT", "Every completed call."),
         C("dur_total", TS, "Sum of the durations of every call."),
         C("logged", "BIGINT", "Calls written as rows (to `syscall` or `futex`), before any drop."),
-        C("idle_skipped", "BIGINT", "Idle poll/epoll/select calls counted but not logged: timed out "
-          "with nothing (ret 0), or returned ready without blocking 1 ms; and uretprobe(2), the "
-          "trampoline of Watcher's own return probes."),
+        C("idle_skipped", "BIGINT", "Calls counted but not logged: idle poll/epoll/select calls (timed "
+          "out with nothing, ret 0, or returned ready without blocking 1 ms); socket transfers "
+          "(recvfrom, sendto, recvmsg, sendmsg, recvmmsg, sendmmsg) that returned within 1 ms having "
+          "moved data, or with EAGAIN; and uretprobe(2), the trampoline of Watcher's own return probes."),
     )),
     Table("inflight_syscall", "Threads inside a system call when the recording was last flushed: where each thread is blocked.", (
         C("snapshot_ts", TS, "When the kernel's in-flight table was read."),
