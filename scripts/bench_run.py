@@ -123,6 +123,13 @@ def median_interval(xs: list[float], resamples: int = 4000) -> list[float] | Non
     return [meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]]
 
 
+def _t975(df: int) -> float:
+    """Student's t, two-sided 95%, for `df` degrees of freedom (a few points, the next lower one used)."""
+    table = ((1, 12.71), (2, 4.30), (3, 3.18), (4, 2.78), (5, 2.57), (6, 2.45), (8, 2.31), (10, 2.23),
+             (15, 2.13), (20, 2.09), (30, 2.04), (40, 2.02), (60, 2.00), (120, 1.98))
+    return next((t for d, t in reversed(table) if df >= d), 12.71) if df < 1000 else 1.96
+
+
 def geometric_mean(xs: list[float]) -> dict:
     """The geometric mean of the ratios and its 95% interval (a t-interval on their logs)."""
     import math
@@ -130,7 +137,7 @@ def geometric_mean(xs: list[float]) -> dict:
     if len(xs) < 3:
         return {"geo_mean_ratio": None, "geo_mean_ci95": None}
     logs = [math.log(x) for x in xs]
-    m, half = statistics.mean(logs), 1.98 * statistics.stdev(logs) / math.sqrt(len(logs))
+    m, half = statistics.mean(logs), _t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
     return {"geo_mean_ratio": math.exp(m), "geo_mean_ci95": [math.exp(m - half), math.exp(m + half)]}
 
 
@@ -263,16 +270,23 @@ def bench_snapshots_and_replay(tmp: Path, steps: int) -> dict:
             "replay_over_live": round(max(replay_s) / live_s, 2) if live_s else None}
 
 
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=4, help="separate-job pairs (end to end)")
     ap.add_argument("--window-pairs", type=int, default=120, help="on/off window pairs inside one job")
     ap.add_argument("--window-s", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--out", default=str(ROOT / "bench-results" / "run.json"))
+    ap.add_argument("--out", help="results file (default bench-results/run.json, or run-windows.json "
+                    "with --windows-only)")
     ap.add_argument("--windows-only", action="store_true",
                     help="only the on/off windows inside one job (a quick comparison of two settings)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(ROOT / "bench-results" / ("run-windows.json" if args.windows_only else "run.json"))
     with tempfile.TemporaryDirectory(prefix="watcher-bench-run-") as d:
         tmp = Path(d)
         win = bench_watcher_windows(tmp, args.window_pairs, args.window_s)
@@ -291,18 +305,19 @@ def main() -> None:
          f"{win['pairs']} window pairs of {win['window_s']:g} s in one job, defaults; target <=1.05 worst, goal 1.02"),
         ("  its 95% interval (bootstrap)", "-" if not win["median_ci95"] else
          f"{win['median_ci95'][0]:.3f}-{win['median_ci95'][1]:.3f}", "pairs resampled"),
-        ("Watcher on/off step time, geometric mean", f"{win['geo_mean_ratio']:.3f}",
+        ("Watcher on/off step time, geometric mean", _f(win["geo_mean_ratio"]),
+         "-" if not win["geo_mean_ci95"] else
          f"95% interval {win['geo_mean_ci95'][0]:.3f}-{win['geo_mean_ci95'][1]:.3f}"),
-        ("Watcher on/off step time, worst block", f"{win['worst_block_ratio']:.3f}",
+        ("Watcher on/off step time, worst block", _f(win["worst_block_ratio"]),
          f"medians of blocks of {BLOCK} pairs: {', '.join(f'{b:.3f}' for b in win['block_medians'])}; "
          f"worst single pair {win['worst_pair_ratio']:.3f}"),
         ("Watcher on/off step time, median of calm pairs",
          f"{win['calm_median_ratio']:.3f}" if win["calm_median_ratio"] else "-",
          f"{win['calm_pairs']} pairs whose windows lost under 1% of the machine to the hypervisor (steal)"),
-        ("Watcher on/off CPU per step, median", f"{win['cpu_median_ratio']:.3f}",
-         f"ranks + collector, same windows; worst block {win['cpu_worst_block_ratio']:.3f}"),
-        ("Watcher's own time / step time, median", f"{win['own_time_fraction_median']:.3f}",
-         f"step.watcher_us over dur in the 'on' windows; p90 {win['own_time_fraction_p90']:.3f}"),
+        ("Watcher on/off CPU per step, median", _f(win["cpu_median_ratio"]),
+         f"ranks + collector, same windows; worst block {_f(win['cpu_worst_block_ratio'])}"),
+        ("Watcher's own time / step time, median", _f(win["own_time_fraction_median"]),
+         f"step.watcher_us over dur in the 'on' windows; p90 {_f(win['own_time_fraction_p90'])}"),
         ("snapshots / state copies in the 'on' windows", f"{win['snapshots']} / {win['state_copies']}",
          f"over {win['steps_on']} rank-steps; fork intervals {win['snapshot_intervals']}"),
         ("end-to-end ratio, median", f"{over['median_ratio']:.3f}", f"{args.pairs} pairs; target <=1.05, goal 1.02"),

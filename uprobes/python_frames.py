@@ -68,7 +68,7 @@ def interpreter(pid: int) -> tuple[int | None, str]:
     process runs no supported CPython; the note says why."""
     try:
         with open(f"/proc/{pid}/maps") as f:
-            maps = [line.split() for line in f]
+            maps = [line.rstrip("\n").split(None, 5) for line in f]  # a path may hold spaces
     except OSError as e:
         return None, f"cannot read /proc/{pid}/maps: {e.strerror}"
     files: dict[str, list[tuple[int, int]]] = {}
