@@ -276,10 +276,12 @@ def _raw_tensor(dtype: str, shape: tuple, nbytes: int, requires_grad: bool):
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, f, tensors: list):
-        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
-        self.buf = f
-        self.tensors = tensors
+    """Pickles into its own buffer; the tensors it meets go to `tensors`."""
+
+    def __init__(self):
+        self.buf = io.BytesIO()
+        super().__init__(self.buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list | None = None
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
@@ -298,9 +300,9 @@ _picklers = threading.local()
 def encode(record) -> list:
     p = getattr(_picklers, "p", None)
     if p is None:
-        p = _picklers.p = _Pickler(io.BytesIO(), [])
-    buf, tensors = p.buf, []
-    p.tensors = tensors
+        p = _picklers.p = _Pickler()
+    buf = p.buf
+    p.tensors = tensors = []
     buf.seek(0)
     buf.truncate()
     try:
