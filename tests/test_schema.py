@@ -40,3 +40,30 @@ def test_ts_and_dur_are_integer_nanoseconds():
         for c in t.columns:
             if c.name in ("ts", "dur") or c.name.endswith("_ts"):
                 assert c.type == "BIGINT", f"{t.name}.{c.name}"
+
+
+def test_rows_go_in_whole_with_nan_infinity_null_and_63_bit_checksums():
+    # `watcher run` ingests every step of a long run in one statement per
+    # table.  DuckDB reads a NaN handed over in an array as NULL; a non-finite
+    # loss is exactly what the step table must keep.
+    import math
+
+    from watcher.store import insert_rows
+
+    con = duckdb.connect(":memory:")
+    con.execute(schema.TABLE_BY_NAME["step"].ddl())
+    rows = []
+    for k in range(20_000):
+        loss = math.nan if k == 7 else -math.inf if k == 8 else math.inf if k == 9 else None if k == 10 else k / 3
+        rows.append((k % 2, k, 10**12 + k, None if k == 0 else 19_000_000, loss, 0.5 + k,
+                     (1 << 63) - 1 - k, None if k % 5 else k * 7, k ^ 0x5A5A, 1, k % 512 == 0, k % 900))
+    insert_rows(con, "step", rows)
+    got = con.execute("SELECT * FROM step ORDER BY step").fetchall()
+    assert len(got) == len(rows)
+    for want, have in zip(rows, got):
+        for a, b in zip(want, have):
+            assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), (want, have)
+    [(nan, inf, null)] = con.execute("SELECT count(*) FILTER (WHERE isnan(loss)), "
+                                     "count(*) FILTER (WHERE isinf(loss)), count(*) FILTER (WHERE loss IS NULL) "
+                                     "FROM step").fetchall()
+    assert (nan, inf, null) == (1, 2, 1)

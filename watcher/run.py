@@ -30,6 +30,7 @@ import duckdb
 
 from .errors import RecordingError, UsageError
 from .runtime.control import write_json
+from .store import insert_rows
 
 POLICIES = ("observe", "recover", "apply")
 SITE_DIR = Path(__file__).resolve().parent / "runtime" / "site"
@@ -460,9 +461,7 @@ def ingest(out: Path) -> list[dict]:
         for table, rows in (("step", step_rows), ("collective_io", coll_rows), ("incident", inc_rows),
                             ("sandbox_event", sandbox_rows), ("causal_link", chain_rows)):
             con.execute(schema.TABLE_BY_NAME[table].ddl())
-            if rows:
-                n = len(rows[0])
-                con.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * n)})", rows)
+            insert_rows(con, table, rows)
     finally:
         con.close()
     os.chmod(out / "recording.duckdb", 0o600)
