@@ -141,15 +141,18 @@ def geometric_mean(xs: list[float]) -> dict:
     return {"geo_mean_ratio": math.exp(m), "geo_mean_ci95": [math.exp(m - half), math.exp(m + half)]}
 
 
-def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: float = 0.4) -> dict:
+def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: float = 0.4,
+                          toggle: str = "all", policy: str = "recover") -> dict:
     import signal
 
-    from watcher.runtime.control import Control
+    from watcher.runtime.control import PAUSE_RECORDER, PAUSE_RUNTIME, Control
+
+    off = {"all": PAUSE_RUNTIME | PAUSE_RECORDER, "runtime": PAUSE_RUNTIME, "recorder": PAUSE_RECORDER}[toggle]
 
     run_dir = tmp / "windows"
     times = tmp / "windows-times" / "t"
     times.parent.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "watcher.cli", "run", "--out", str(run_dir), "--policy", "observe",
+    proc = subprocess.Popen([sys.executable, "-m", "watcher.cli", "run", "--out", str(run_dir), "--policy", policy,
                              "--", *job(10_000_000, times)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     windows = []
@@ -163,7 +166,7 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
         for i in range(pairs):
             pair, ticks, st = {}, {}, {}
             for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                ctl.paused = 1 if mode == "off" else 0
+                ctl.paused = off if mode == "off" else 0
                 time.sleep(settle_s)  # the collector follows within 0.25 s; the ranks at their next step
                 lo, c0, s0 = time.monotonic_ns(), cpu_ticks(pids), steal_ticks()
                 time.sleep(window_s)
@@ -207,7 +210,7 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
     own = [fp["watcher_us"] / (fp["dur"] / 1000) for fp in logged
            if fp.get("watcher_us") is not None and fp.get("dur") and not fp.get("snapshot")]
     forks = [fp for fp in logged if fp.get("snapshot")]
-    return {"pairs": len(ratios), "window_s": window_s, "ratios": ratios,
+    return {"pairs": len(ratios), "window_s": window_s, "toggle": toggle, "policy": policy, "ratios": ratios,
             "steal_ticks": steal, "calm_pairs": len(calm),
             "calm_median_ratio": statistics.median(calm) if calm else None,
             "snapshots": len(forks), "state_copies": sum(1 for fp in logged if fp.get("state_copy_us")),
@@ -284,12 +287,16 @@ def main() -> None:
                     "with --windows-only)")
     ap.add_argument("--windows-only", action="store_true",
                     help="only the on/off windows inside one job (a quick comparison of two settings)")
+    ap.add_argument("--toggle", choices=("all", "runtime", "recorder"), default="all",
+                    help="what the 'off' windows switch off (default all of Watcher; runtime or recorder "
+                    "alone split the overhead between them)")
+    ap.add_argument("--policy", default="recover", help="watcher run --policy (default: its default)")
     args = ap.parse_args()
     if args.out is None:
         args.out = str(ROOT / "bench-results" / ("run-windows.json" if args.windows_only else "run.json"))
     with tempfile.TemporaryDirectory(prefix="watcher-bench-run-") as d:
         tmp = Path(d)
-        win = bench_watcher_windows(tmp, args.window_pairs, args.window_s)
+        win = bench_watcher_windows(tmp, args.window_pairs, args.window_s, toggle=args.toggle, policy=args.policy)
         if args.windows_only:
             Path(args.out).parent.mkdir(exist_ok=True)
             Path(args.out).write_text(json.dumps({"watcher_windows": win}, indent=1))

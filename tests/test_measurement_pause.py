@@ -37,7 +37,7 @@ def _wait_file(p, timeout=60):
 
 
 def test_paused_recorder_misses_exactly_the_paused_phase(tmp_path):
-    from watcher.runtime.control import Control
+    from watcher.runtime.control import PAUSE_RECORDER, Control
 
     out, sync = tmp_path / "run", tmp_path / "sync"
     sync.mkdir()
@@ -47,7 +47,7 @@ def test_paused_recorder_misses_exactly_the_paused_phase(tmp_path):
     try:
         _wait_file(sync / "a")
         ctl = Control(out / "runtime")
-        ctl.paused = 1
+        ctl.paused = PAUSE_RECORDER  # the recorder's bit alone (`just bench run --toggle recorder`)
         time.sleep(1.0)  # the collector polls the word at least every 0.25 s
         (sync / "b").touch()
         _wait_file(sync / "c")

@@ -133,7 +133,7 @@ def parse_detect(items: list[str]) -> dict:
 def run(cfg: RunConfig) -> RunResult:
     cfg.validate()
     from .privileges import require_bcc, require_bpf_privileges
-    from .runtime.control import Control
+    from .runtime.control import PAUSE_RECORDER, Control
     from .session import Session, SessionConfig
 
     require_bcc()  # before anything is created: a refused run leaves nothing behind
@@ -150,9 +150,9 @@ def run(cfg: RunConfig) -> RunResult:
     # Snapshots of a crashed rank are orphaned; as subreaper we get them, not init.
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     # The control block's `paused` word (an overhead measurement, `just bench
-    # run`) pauses the recorder as well as the ranks' runtime.
+    # run`) pauses the recorder, the ranks' runtime, or both.
     session = Session(SessionConfig(out=cfg.out / "recording.duckdb", quiet=cfg.quiet,
-                                    paused=lambda: ctl.paused != 0))
+                                    paused=lambda: ctl.paused & PAUSE_RECORDER != 0))
     status = _StatusLine(cfg.out) if sys.stderr.isatty() and not cfg.quiet else None
     window_dir = _window_dir(cfg.out)
     env = cfg.env()

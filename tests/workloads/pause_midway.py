@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from watcher.runtime.control import Control
+from watcher.runtime.control import PAUSE_RECORDER, PAUSE_RUNTIME, Control
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     for step in range(args.steps):  # the runtime numbers steps the same way: the first ends step 0
         if ctl is not None and step == args.pause_from:
-            ctl.paused = 1
+            ctl.paused = PAUSE_RUNTIME | PAUSE_RECORDER
         if ctl is not None and step == args.pause_to:
             ctl.paused = 0
         x = torch.randn(16, 32, generator=g)

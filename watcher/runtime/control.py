@@ -5,7 +5,7 @@ its own slot of a small shared mmap, and reads one word to learn whether an
 incident is open.  Cold path (an incident): small JSON files written with an
 atomic rename, so a reader never sees half a file.
 
-    header  magic | incident_seq | plan_seq | verdict_seq | paused (a measurement: recorder and runtime off)
+    header  magic | incident_seq | plan_seq | verdict_seq | paused (a measurement: PAUSE_RUNTIME | PAUSE_RECORDER)
     slot r  arrived_seq | arrived_step | copy interval wanted | fork interval wanted | ring of RING (step, param_sum)
 
 One control file per node: ranks of a multi-node job see only their own
@@ -29,6 +29,7 @@ RING = 8
 HEADER = 64
 SLOT = 32 + RING * 16
 RING_AT = 32
+PAUSE_RUNTIME, PAUSE_RECORDER = 1, 2  # bits of the `paused` word
 SIZE = HEADER + MAX_RANKS * SLOT
 _Q = struct.Struct("<q")
 _QQ = struct.Struct("<qq")
@@ -89,8 +90,9 @@ class Control:
     incident_seq = property(lambda self: self._get(1))
     plan_seq = property(lambda self: self._get(2), lambda self, v: self._set(2, v))
     verdict_seq = property(lambda self: self._get(3), lambda self, v: self._set(3, v))
-    # Measurement switch for `just bench run`: while set, the runtime does
-    # nothing but count steps (and the run can no longer be replayed).
+    # Measurement switch for `just bench run`, a bit mask: with PAUSE_RUNTIME
+    # the runtime does nothing but count steps (and the run can no longer be
+    # replayed); with PAUSE_RECORDER the job leaves the recorder's traced set.
     paused = property(lambda self: self._get(4), lambda self, v: self._set(4, v))
 
     # -- per-rank beacons ------------------------------------------------------------

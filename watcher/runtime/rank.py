@@ -33,7 +33,7 @@ from torch.distributed import distributed_c10d as c10d
 from . import collectives, relink, transport
 from .collectives import COMPUTED_IN_REPLAY
 from .checksum import ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum
-from .control import Control, process_state, read_json, write_json
+from .control import PAUSE_RUNTIME, Control, process_state, read_json, write_json
 from .window import END_OF_DATA, SegmentWriter
 
 RUNTIME: "RankRuntime | None" = None
@@ -175,7 +175,7 @@ class RankRuntime:
         "on" time after a pause costs what it does in a long run; a snapshot
         older than the last paused step is not offered for a replay (its
         window misses the paused steps)."""
-        return self.active and self.ctl.paused != 0
+        return self.active and self.ctl.paused & PAUSE_RUNTIME != 0
 
     # -- hooks (called from patched torch entry points) -------------------------------------
     def on_backward(self, tensor: torch.Tensor) -> None:
