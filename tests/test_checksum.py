@@ -150,3 +150,32 @@ def test_reduced_gradient_norm_comes_from_the_output_checksum_pass(lib, monkeypa
     assert norm(9, grads) == float("inf")
     with_lib(monkeypatch, None)
     assert checksum.tensors_sum_sumsq(buckets)[1] is None  # without wordsum.c: no fused pass
+
+
+def test_fused_pass_gives_the_same_bits_as_the_separate_ones_and_gather_copies_exactly(lib):
+    # The checksum-and-sum-of-squares pass (vector code) must give the word
+    # sum of ws_sum and the sum of squares of ws_sumsq_f32_many bit for bit,
+    # whatever the length and alignment: a replay recomputes one with the other.
+    import ctypes
+
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(300_100, generator=g) * 3
+    base[17] = float("inf")
+    for start in (0, 1, 3):
+        for n in (1, 15, 16, 17, 1023, 1024, 1025, 4103, 300_000):
+            x = base[start:start + n]
+            part = ctypes.c_double()
+            words = lib.ws_sum_sumsq_f32(x.data_ptr(), n, ctypes.byref(part))
+            assert words == lib.ws_sum(x.data_ptr(), n)
+            many = lib.ws_sumsq_f32_many((ctypes.c_uint64 * 1)(x.data_ptr()), (ctypes.c_uint64 * 1)(n), 1)
+            assert part.value == many or (part.value != part.value and many != many), (start, n)
+    # State copies: streamed into any alignment, every byte exact.
+    srcs = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g) for n in (1, 7, 4096, 65_537)]
+    sizes = [t.numel() * 4 - (3 if i == 1 else 0) for i, t in enumerate(srcs)]  # one odd byte count
+    for off in (0, 1, 8, 13):
+        dst = torch.zeros(sum(sizes) + 32, dtype=torch.uint8)
+        lib.ws_gather(dst.data_ptr() + off, (ctypes.c_uint64 * 4)(*(t.data_ptr() for t in srcs)),
+                      (ctypes.c_uint64 * 4)(*sizes), 4)
+        want = torch.cat([t.view(torch.uint8)[:s] for t, s in zip(srcs, sizes)])
+        assert torch.equal(dst[off:off + len(want)], want)
+        assert not dst[:off].any() and not dst[off + len(want):].any()

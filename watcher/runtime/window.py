@@ -284,23 +284,32 @@ class _Pickler(pickle.Pickler):
         self.tensors: list | None = None
 
     def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+        if isinstance(obj, torch.Tensor) and obj.is_cpu and obj.layout == torch.strided:
             t = obj.detach().contiguous()
             self.tensors.append(t)
             return _raw_tensor, (str(t.dtype)[6:], tuple(t.shape), t.numel() * t.element_size(), t.requires_grad)
         return NotImplemented
 
 
-# One pickler per thread, kept between records: with a new Pickler for each
-# record, encoding a collective's record cost 3.0 us here; reusing one, 1.2 us.
-# Records are written from the training thread and gloo's threads.
-_picklers = threading.local()
+# One pickler per OS thread, kept between records: with a new Pickler for
+# each record, encoding a collective's record cost 3.0 us here; reusing one,
+# 1.2 us.  Records are written from the training thread and gloo's threads.
+# Keyed by thread id, not threading.local: gloo's threads enter Python
+# through a fresh thread state for every callback, and a thread-local dies
+# with it.  The few OS threads a rank has keep theirs for its life.  A
+# forked child (a snapshot) starts afresh: a thread of its own may reuse the
+# id of a parent's thread that was mid-record at the fork.
+_picklers: dict[int, _Pickler] = {}
+os.register_at_fork(after_in_child=_picklers.clear)
 
 
 def encode(record) -> list:
-    p = getattr(_picklers, "p", None)
+    ident = threading.get_ident()
+    p = _picklers.get(ident)
     if p is None:
-        p = _picklers.p = _Pickler()
+        if len(_picklers) >= 64:  # threads come and go: ids are not kept forever
+            _picklers.clear()
+        p = _picklers[ident] = _Pickler()
     buf = p.buf
     p.tensors = tensors = []
     buf.seek(0)
