@@ -47,9 +47,10 @@ from bench_recorder import print_table, read_steps, window_median_ms  # noqa: E4
 WARMUP = 10
 
 
-def job(steps: int, times: Path) -> list[str]:
+def job(steps: int, times: Path, batch: int | None = None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "-m", "watcher.workloads.ddp_lm", f"--steps={steps}", f"--step-times={times}"]
+            "-m", "watcher.workloads.ddp_lm", f"--steps={steps}", f"--step-times={times}",
+            *([f"--batch={batch}"] if batch else [])]
 
 
 def steady_median_ms(times: Path) -> float:
@@ -142,7 +143,7 @@ def geometric_mean(xs: list[float]) -> dict:
 
 
 def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: float = 0.4,
-                          toggle: str = "all", policy: str = "recover") -> dict:
+                          toggle: str = "all", policy: str = "recover", batch: int | None = None) -> dict:
     import signal
 
     from watcher.runtime.control import PAUSE_RECORDER, PAUSE_RUNTIME, Control
@@ -153,7 +154,7 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
     times = tmp / "windows-times" / "t"
     times.parent.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "watcher.cli", "run", "--out", str(run_dir), "--policy", policy,
-                             "--", *job(10_000_000, times)],
+                             "--", *job(10_000_000, times, batch)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     windows = []
     try:
@@ -188,7 +189,10 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
         if ticks["off"] and ticks["on"]:
             cpu_ratios.append(per_step["on"] / per_step["off"])
     ratios, off_ms, on_ms, calm = [], [], [], []
-    min_steps = max(5, int(window_s / 0.05))  # at least one step per 50 ms of window
+    # A window counts when it holds at least a third of the steps it could:
+    # one the hypervisor stalled says nothing about Watcher.
+    typical_s = statistics.median(r["ns"] for r in steps) / 1e9 if steps else 0.05
+    min_steps = max(5, int(window_s / typical_s / 3))
     hz = os.sysconf("SC_CLK_TCK")
     for i, pair in enumerate(windows):
         off = window_median_ms(steps, *pair["off"], min_steps=min_steps)
@@ -210,7 +214,8 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
     own = [fp["watcher_us"] / (fp["dur"] / 1000) for fp in logged
            if fp.get("watcher_us") is not None and fp.get("dur") and not fp.get("snapshot")]
     forks = [fp for fp in logged if fp.get("snapshot")]
-    return {"pairs": len(ratios), "window_s": window_s, "toggle": toggle, "policy": policy, "ratios": ratios,
+    return {"pairs": len(ratios), "window_s": window_s, "toggle": toggle, "policy": policy, "batch": batch,
+            "ratios": ratios,
             "steal_ticks": steal, "calm_pairs": len(calm),
             "calm_median_ratio": statistics.median(calm) if calm else None,
             "snapshots": len(forks), "state_copies": sum(1 for fp in logged if fp.get("state_copy_us")),
@@ -291,12 +296,15 @@ def main() -> None:
                     help="what the 'off' windows switch off (default all of Watcher; runtime or recorder "
                     "alone split the overhead between them)")
     ap.add_argument("--policy", default="recover", help="watcher run --policy (default: its default)")
+    ap.add_argument("--batch", type=int, help="sequences per rank per step in the windows' job (default the "
+                    "workload's 8; more makes steps longer with the same per-step work for Watcher)")
     args = ap.parse_args()
     if args.out is None:
         args.out = str(ROOT / "bench-results" / ("run-windows.json" if args.windows_only else "run.json"))
     with tempfile.TemporaryDirectory(prefix="watcher-bench-run-") as d:
         tmp = Path(d)
-        win = bench_watcher_windows(tmp, args.window_pairs, args.window_s, toggle=args.toggle, policy=args.policy)
+        win = bench_watcher_windows(tmp, args.window_pairs, args.window_s, toggle=args.toggle, policy=args.policy,
+                                    batch=args.batch)
         if args.windows_only:
             Path(args.out).parent.mkdir(exist_ok=True)
             Path(args.out).write_text(json.dumps({"watcher_windows": win}, indent=1))

@@ -104,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50, help="optimizer steps to run")
     p.add_argument("--seed", type=int, default=0, help="seeds weights, corpus and data order")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--batch", type=int, default=BATCH,
+                   help="sequences per rank per step (more: longer steps, the same model and collectives)")
     p.add_argument("--save", metavar="PATH", help="rank 0 saves state_dict here and its sha256 to PATH.sha256")
     p.add_argument("--log-every", type=int, default=0, metavar="N", help="print loss every N steps on rank 0")
     p.add_argument("--step-times", metavar="PATH", help="append per-step wall times (ns) as JSON lines to PATH.rank<r>")
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
     data = make_corpus(args.seed)
     dataset = TensorDataset(data[:, :-1], data[:, 1:], torch.ones(N_SEQS, SEQ_LEN))
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
 
     ddp_model = DDP(model) if distributed else model
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3, weight_decay=0.01)
