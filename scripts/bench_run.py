@@ -148,7 +148,7 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
 
     from watcher.runtime.control import PAUSE_RECORDER, PAUSE_RUNTIME, Control
 
-    off = {"all": PAUSE_RUNTIME | PAUSE_RECORDER, "runtime": PAUSE_RUNTIME, "recorder": PAUSE_RECORDER}[toggle]
+    pause = {"all": PAUSE_RUNTIME | PAUSE_RECORDER, "runtime": PAUSE_RUNTIME, "recorder": PAUSE_RECORDER}[toggle]
 
     run_dir = tmp / "windows"
     times = tmp / "windows-times" / "t"
@@ -167,7 +167,7 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
         for i in range(pairs):
             pair, ticks, st = {}, {}, {}
             for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                ctl.paused = off if mode == "off" else 0
+                ctl.paused = pause if mode == "off" else 0
                 time.sleep(settle_s)  # the collector follows within 0.25 s; the ranks at their next step
                 lo, c0, s0 = time.monotonic_ns(), cpu_ticks(pids), steal_ticks()
                 time.sleep(window_s)

@@ -44,8 +44,11 @@ def test_ts_and_dur_are_integer_nanoseconds():
 
 def test_rows_go_in_whole_with_nan_infinity_null_and_63_bit_checksums():
     # `watcher run` ingests every step of a long run in one statement per
-    # table.  DuckDB reads a NaN handed over in an array as NULL; a non-finite
-    # loss is exactly what the step table must keep.
+    # table.  DuckDB reads a NaN handed over in an array as NULL (a non-finite
+    # loss is exactly what the step table must keep), and types a column it
+    # is given as objects from a sample of rows: the one long step far past
+    # the sample, or the one fractional value among integers, must still go
+    # in exactly.
     import math
 
     from watcher.store import insert_rows
@@ -55,7 +58,9 @@ def test_rows_go_in_whole_with_nan_infinity_null_and_63_bit_checksums():
     rows = []
     for k in range(20_000):
         loss = math.nan if k == 7 else -math.inf if k == 8 else math.inf if k == 9 else None if k == 10 else k / 3
-        rows.append((k % 2, k, 10**12 + k, None if k == 0 else 19_000_000, loss, 0.5 + k,
+        dur = None if k == 0 else 3_000_000_000 if k == 13_001 else 19_000_000  # a 3-s step: past INTEGER
+        norm = 1.7 if k == 15_003 else None if k == 15_004 else k
+        rows.append((k % 2, k, 10**12 + k, dur, loss, norm,
                      (1 << 63) - 1 - k, None if k % 5 else k * 7, k ^ 0x5A5A, 1, k % 512 == 0, k % 900))
     insert_rows(con, "step", rows)
     got = con.execute("SELECT * FROM step ORDER BY step").fetchall()
@@ -67,3 +72,7 @@ def test_rows_go_in_whole_with_nan_infinity_null_and_63_bit_checksums():
                                      "count(*) FILTER (WHERE isinf(loss)), count(*) FILTER (WHERE loss IS NULL) "
                                      "FROM step").fetchall()
     assert (nan, inf, null) == (1, 2, 1)
+    import pytest
+
+    with pytest.raises(duckdb.Error):  # an INTEGER out of range fails the insert, it does not wrap
+        insert_rows(con, "step", [(0, 1 << 40, 0, None, None, None, None, None, None, None, None, None)])

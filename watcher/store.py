@@ -236,7 +236,11 @@ def give_to_invoking_user(path: Path) -> None:
         pass
 
 
-_NUMPY_TYPE = {"BIGINT": np.int64, "INTEGER": np.int32, "UBIGINT": np.uint64, "DOUBLE": np.float64}
+# Column types handed to DuckDB as typed arrays.  INTEGER goes as int64 and
+# is cast on insert: a value out of range fails the statement instead of
+# wrapping in numpy.
+_NUMPY_TYPE = {"BIGINT": np.int64, "INTEGER": np.int64, "UBIGINT": np.uint64, "DOUBLE": np.float64,
+               "BOOLEAN": np.bool_}
 
 
 def insert_rows(con: duckdb.DuckDBPyConnection, table: str, rows: list[tuple]) -> None:
@@ -255,27 +259,43 @@ def insert_rows(con: duckdb.DuckDBPyConnection, table: str, rows: list[tuple]) -
 
 def _as_frame(columns: dict[str, list], types: dict[str, str]) -> tuple[dict, list[str]]:
     """A dict of arrays DuckDB can scan, and the select list that reads it
-    back in column order.  A numeric column without NULLs becomes a typed
-    array (DuckDB scans it as is); others stay object arrays, which keep
-    NULLs but make DuckDB look at every value.  DuckDB reads a NaN in either
-    as NULL, so a float column that holds NaN (a non-finite loss: the very
-    thing a recording must keep) carries a flag column that puts it back."""
+    back in column order.
+
+    Every numeric or boolean column becomes a typed array, NULLs as a flag
+    column beside it: DuckDB types an object array from a sample of its
+    rows, so one long step's duration past the sample (a BIGINT among values
+    that fit INTEGER) would fail the insert, and a float among sampled ints
+    would be rounded.  DuckDB also reads a NaN in an array as NULL, so a
+    float column holding NaN (a non-finite loss: the very thing a recording
+    must keep) carries a second flag that puts it back.  Text stays an
+    object array of str and None."""
     out, select = {}, []
     for k, v in columns.items():
-        np_type = _NUMPY_TYPE.get(types.get(k, ""))
-        select.append(k)
+        col_type = types.get(k, "")
+        np_type = _NUMPY_TYPE.get(col_type)
+        if np_type is None:
+            out[k] = np.array([x if x is None or isinstance(x, str) else str(x) for x in v], dtype=object)
+            select.append(k if col_type == "VARCHAR" else f"CAST({k} AS {col_type})")
+            continue
+        null = [x is None for x in v]
+        try:
+            out[k] = np.array([0 if x is None else x for x in v], dtype=np_type)
+        except (OverflowError, TypeError, ValueError):
+            # Not representable as given (a negative UBIGINT): exact text, cast by DuckDB.
+            out[k] = np.array([None if x is None else repr(x) for x in v], dtype=object)
+            select.append(f"CAST({k} AS {col_type})")
+            continue
+        cases = []
+        if any(null):
+            out[f"_null_{k}"] = np.array(null)
+            cases.append(f"WHEN _null_{k} THEN NULL")
         if np_type is np.float64:
-            nan = [isinstance(x, float) and x != x for x in v]
-            if any(nan):
-                out[f"_nan_{k}"] = np.array(nan)
-                select[-1] = f"CASE WHEN _nan_{k} THEN 'NaN'::DOUBLE ELSE {k} END"
-        if np_type is not None and None not in v:
-            try:
-                out[k] = np.array(v, dtype=np_type)
-                continue
-            except (OverflowError, TypeError, ValueError):
-                pass
-        out[k] = np.array(v, dtype=object)
+            nan = np.isnan(out[k])
+            if nan.any():
+                out[f"_nan_{k}"] = nan
+                cases.append(f"WHEN _nan_{k} THEN 'NaN'::DOUBLE")
+        expr = k if col_type in ("BIGINT", "UBIGINT", "DOUBLE", "BOOLEAN") else f"CAST({k} AS {col_type})"
+        select.append(f"CASE {' '.join(cases)} ELSE {expr} END" if cases else expr)
     return out, select
 
 

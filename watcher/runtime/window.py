@@ -307,8 +307,8 @@ def encode(record) -> list:
     ident = threading.get_ident()
     p = _picklers.get(ident)
     if p is None:
-        if len(_picklers) >= 64:  # threads come and go: ids are not kept forever
-            _picklers.clear()
+        if len(_picklers) >= 64:  # threads come and go: the oldest id goes
+            _picklers.pop(next(iter(_picklers)), None)
         p = _picklers[ident] = _Pickler()
     buf = p.buf
     p.tensors = tensors = []

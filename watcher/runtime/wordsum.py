@@ -17,24 +17,29 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("wordsum.c")
 ENV = "WATCHER_WORDSUM"
+# Plain -O3, no -march=native: the cache may be a home directory shared by
+# nodes of different CPUs, and a rank must never die of an illegal
+# instruction (the sums are memory-bound anyway).  No contraction of a
+# multiply and an add into one FMA: the sum of squares must have the same
+# bits from the vector loop as from the scalar one, whatever the compiler
+# and its default target.
+FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
 def build(cache_dir: Path) -> Path | None:
     """Compile wordsum.c into `cache_dir` (once per source); None if it cannot be built."""
     try:
         src = SOURCE.read_bytes()
-        out = Path(cache_dir) / f"wordsum-{hashlib.sha256(src).hexdigest()[:16]}.so"
+        key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+        out = Path(cache_dir) / f"wordsum-{key}.so"
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as d:
             tmp = Path(d) / out.name
-            # Plain -O3, no -march=native: the cache may be a home directory
-            # shared by nodes of different CPUs, and a rank must never die of
-            # an illegal instruction.  The sums are memory-bound anyway.
             for compiler in ("cc", "gcc"):
                 try:
-                    r = subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)],
+                    r = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE)],
                                        capture_output=True, timeout=60)
                 except FileNotFoundError:
                     continue

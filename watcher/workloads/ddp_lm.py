@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -122,6 +123,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if not 1 <= args.batch <= N_SEQS // world_size:
+        print(f"ddp_lm: --batch must be 1..{N_SEQS // world_size} with {world_size} rank(s) "
+              f"(a corpus of {N_SEQS} sequences)", file=sys.stderr)
+        return 2
     # One thread per rank by default so two ranks share two cores without
     # oversubscription skewing step times.
     torch.set_num_threads(args.threads)
