@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_recorder import print_table, read_steps, window_median_ms  # noqa: E402
 
+from watcher.run import POLICIES  # noqa: E402
+
 WARMUP = 10
 
 
@@ -143,7 +145,7 @@ def geometric_mean(xs: list[float]) -> dict:
 
 
 def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: float = 0.4,
-                          toggle: str = "all", policy: str = "recover", batch: int | None = None) -> dict:
+                          toggle: str = "all", policy: str | None = None, batch: int | None = None) -> dict:
     import signal
 
     from watcher.runtime.control import PAUSE_RECORDER, PAUSE_RUNTIME, Control
@@ -153,8 +155,8 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
     run_dir = tmp / "windows"
     times = tmp / "windows-times" / "t"
     times.parent.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "watcher.cli", "run", "--out", str(run_dir), "--policy", policy,
-                             "--", *job(10_000_000, times, batch)],
+    proc = subprocess.Popen([sys.executable, "-m", "watcher.cli", "run", "--out", str(run_dir),
+                             *(["--policy", policy] if policy else []), "--", *job(10_000_000, times, batch)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     windows = []
     try:
@@ -295,9 +297,9 @@ def main() -> None:
     ap.add_argument("--toggle", choices=("all", "runtime", "recorder"), default="all",
                     help="what the 'off' windows switch off (default all of Watcher; runtime or recorder "
                     "alone split the overhead between them)")
-    ap.add_argument("--policy", default="recover", help="watcher run --policy (default: its default)")
+    ap.add_argument("--policy", choices=POLICIES, help="watcher run --policy (default: watcher run's own)")
     ap.add_argument("--batch", type=int, help="sequences per rank per step in the windows' job (default the "
-                    "workload's 8; more makes steps longer with the same per-step work for Watcher)")
+                    "workload's 8; more makes steps longer with the same model and collectives)")
     args = ap.parse_args()
     if args.out is None:
         args.out = str(ROOT / "bench-results" / ("run-windows.json" if args.windows_only else "run.json"))
