@@ -85,12 +85,18 @@ class ReplayState:
         key = (meta["group"], meta["seq"])
         rec = self.window.colls.get(key)
         if rec is None:
-            self.finish("record_exhausted", f"collective {key} is not in the window")
+            if not self._unrecorded(meta):
+                self.finish("record_exhausted", f"collective {key} is not in the window")
+            # The step a crashed rank died in: its collectives went down with
+            # it.  Computed from the peers' inputs all the same, compared with nothing.
+            rec = {"in_sum": None, "op": meta["op"], "out_sum": None}
         ok = rec["in_sum"] == meta["in_sum"] and rec["op"] == meta["op"]
+        if rec["in_sum"] is None:
+            ok = None
         entry = {"group": key[0], "seq": key[1], "op": meta["op"], "step": meta["step"],
                  "in_sum": meta["in_sum"], "recorded_in_sum": rec["in_sum"], "match": ok}
         self.colls.append(entry)
-        where = None if ok else "compute"
+        where = "compute" if ok is False else None
         recorded = self.window.outputs.get(key)  # None: only the checksum was kept
         if self.exchange is not None and meta["op"] in REDUCED:
             try:
@@ -106,7 +112,8 @@ class ReplayState:
             # something else: the live transfer corrupted it.  (Checksums
             # compare bits, so NaN outputs can match.)
             out_sum = rt.grad_norm.out_sum(meta, outs)  # as the live rank summed them
-            entry["out_match"] = out_sum == (rec.get("out_sum") if recorded is None else tensors_sum(recorded))
+            entry["out_match"] = None if ok is None else \
+                out_sum == (rec.get("out_sum") if recorded is None else tensors_sum(recorded))
             if where is None and all(g["in_match"] for g in got) and not entry["out_match"]:
                 where = "communication"
         elif recorded is None:
@@ -121,6 +128,13 @@ class ReplayState:
                                      "collective": {"group": key[0], "seq": key[1], "op": meta["op"]},
                                      "where": where}
         return _done_work(outs)
+
+    def _unrecorded(self, meta: dict) -> bool:
+        """Is this a reduction of the step after the last one the record
+        holds, replayed with every rank (a crash replay reaching the step the
+        rank died in)?  Its record, written at step end, never came."""
+        return (self.exchange is not None and meta["op"] in REDUCED
+                and meta["step"] > max(self.window.steps, default=self.from_step))
 
     def step_end(self, rt, fp: dict) -> None:
         fp.pop("_colls", None)

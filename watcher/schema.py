@@ -224,7 +224,7 @@ TABLES: tuple[Table, ...] = (
                                   "otherwise as the optimizer finds them."),
         C("param_sum", "BIGINT", "Checksum of the parameters after the update (equal across DDP replicas)."),
         C("batch_sum", "BIGINT", "Checksum of the batches fetched during the step, NULL if none was seen."),
-        C("rng", "BIGINT", "CRC32 of the CPU generator state."),
+        C("rng", "BIGINT", "Digest of the CPU generator state (its 32-bit word sum; CRC32 where wordsum.c is not built)."),
         C("n_coll", "INTEGER", "Collectives that completed during the step."),
         C("snapshot", "BOOLEAN", "A fork snapshot was taken at the end of this step."),
         C("watcher_us", "BIGINT", "Time the rank spent in Watcher's own code during the step (hooks, checksums, "

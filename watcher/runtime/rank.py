@@ -262,19 +262,19 @@ class RankRuntime:
                 meta["dur"] = time.monotonic_ns() - meta["ts"]
                 self.in_flight -= 1
                 self.waiting.pop((meta["group"], meta["seq"]), None)
+                # The window gets the step's collectives with its step record
+                # (step_end): one write a step, none here, where the waiting
+                # training thread pays for every microsecond.
                 if meta["op"] in COMPUTED_IN_REPLAY:
                     # A replay computes these outputs from every rank's replayed
                     # inputs: the record keeps only their checksum, taken before
                     # anyone can read (or overwrite) them.
                     meta["out_sum"] = self.grad_norm.out_sum(meta, outs)  # DDP's buckets: the norm's pass too
-                    self.seg.put(("coll", meta, None))
                     self.done_colls.append((meta, None))
                     return
                 # Outputs a replay must be served: copy them now (nothing may
                 # overwrite them first); the checksum waits for the step end.
-                copies = [o.detach().clone() for o in outs]
-                self.seg.put(("coll", meta, copies))
-                self.done_colls.append((meta, copies))
+                self.done_colls.append((meta, [o.detach().clone() for o in outs]))
             except Exception as e:
                 self.fail(e)
             finally:
@@ -381,7 +381,7 @@ class RankRuntime:
             if len(self.step_ns) > 64:
                 del self.step_ns[:32]
         self.last_end_ns = fp["ts"]
-        self._log_colls(colls)
+        coll_lines = self._log_colls(colls)
         fp["snapshot"] = False
         self.ctl.beacon(self.rank, k, fp["param_sum"])
         incident = self.detect(fp)
@@ -413,8 +413,12 @@ class RankRuntime:
             fp["prev_snapshot_private_mb"], self.snapshot_mb = self.snapshot_mb, None
         fp["watcher_us"] = (self.own_ns + self.fp_perf - self.hook_t0) // 1000
         self.own_ns = 0
-        self.seg.put(("step", fp))
-        self.steps_log.write(json.dumps(fp) + "\n")
+        line = json.dumps(fp)
+        # The window's step record is the logged line and the step's
+        # collectives (their lines and any outputs kept to be served): one
+        # record a step, each value serialized once.
+        self.seg.put(("step", line, coll_lines, [copies for _, copies in colls]))
+        self.steps_log.write(line + "\n")
         # Every step reaches the file at once: a rank killed by a signal
         # flushes nothing, and its last steps are what a crash report needs.
         self.flush_logs()
@@ -443,11 +447,16 @@ class RankRuntime:
     def _measure_snapshot(self, pid: int) -> None:
         self.snapshot_mb = _private_mb(pid)
 
-    def _log_colls(self, colls: list) -> None:
+    def _log_colls(self, colls: list) -> list[str]:
+        """Log the collectives; their lines, for the window's step record."""
+        lines = []
         for meta, copies in colls:
             if copies is not None:
                 meta["out_sum"] = tensors_sum(copies)
-            self.coll_log.write(json.dumps(meta) + "\n")
+            line = json.dumps(meta)
+            self.coll_log.write(line + "\n")
+            lines.append(line)
+        return lines
 
     def _log_last_colls(self) -> None:
         """Collectives after the last optimizer step (a final barrier, an
@@ -457,7 +466,9 @@ class RankRuntime:
             return
         colls, self.done_colls = self.done_colls, []
         try:
-            self._log_colls(colls)
+            lines = self._log_colls(colls)
+            if lines:  # a crash replay may run up to them
+                self.seg.put(("colls", lines, [copies for _, copies in colls]))
         except Exception as e:
             self.fail(e)
 

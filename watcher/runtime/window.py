@@ -1,10 +1,13 @@
 """The replay window on disk: what a replay needs that happened after a snapshot.
 
-Each snapshot opens a segment file; every batch the rank fetches, every
-collective output it receives and every step fingerprint go to the current
-segment as pickled records.  A replay from snapshot v reads the segments from
+Each snapshot opens a segment file; every batch the rank fetches goes to the
+current segment as it is fetched, and at each step end one record holds the
+step's fingerprint and its collectives (checksums, and the outputs a replay
+must be served).  A replay from snapshot v reads the segments from
 v onward, so it has everything the rank saw since v even if the rank itself
-has died (a crash).  A torn last record (the rank killed mid-write) is ignored.
+has died (a crash), but for the collectives of the step it died in: those a
+coordinated replay computes from its peers (replay/state.py) go unchecked.
+A torn last record (the rank killed mid-write) is ignored.
 
 Segments older than the oldest retained snapshot are not deleted but kept as
 the spare that the next segment overwrites: on this kind of VM a tmpfs write
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import os
 import pickle
 import struct
@@ -235,13 +239,19 @@ class Window:
         kind = rec[0]
         if kind == "batch":
             self.batches[rec[1]] = rec[2]
-        elif kind == "coll":
-            meta, outs = rec[1], rec[2]
+        elif kind == "step":  # ("step", fingerprint line, collective lines, their kept outputs)
+            fp = json.loads(rec[1])
+            self.steps[fp["step"]] = fp
+            self._add_colls(rec[2], rec[3])
+        elif kind == "colls":  # collectives after the last step (logged at exit)
+            self._add_colls(rec[1], rec[2])
+
+    def _add_colls(self, lines: list, outputs: list) -> None:
+        for line, outs in zip(lines, outputs):
+            meta = json.loads(line)
             key = (meta["group"], meta["seq"])
             self.colls[key] = meta
             self.outputs[key] = outs
-        elif kind == "step":
-            self.steps[rec[1]["step"]] = rec[1]
 
 
 END_OF_DATA = "__watcher_end_of_iterator__"
