@@ -58,8 +58,8 @@ class Detectors:
             return None
         hit = None
         h = self.history
-        if self.loss_spike and len(h) >= self.loss_spike_min_steps:
-            med = _median(h)
+        if self.loss_spike and len(h) >= self.loss_spike_min_steps and loss > (med := _median(h)):
+            # (At or below the median z is not positive: no spreads to sort.)
             mad = _median([abs(x - med) for x in h])
             scale = max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
             z = (loss - med) / scale

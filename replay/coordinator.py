@@ -354,9 +354,15 @@ def held_by_all(arrivals: list[dict]) -> set[int]:
     return common
 
 
+def full_param_sum(fp: dict) -> int | None:
+    """A step's checksum of all the parameters: recorded at snapshot and
+    state-copy steps (other steps hold one part's, runtime/checksum.PARTS)."""
+    return fp.get("param_sum_full", fp.get("param_sum"))
+
+
 def verified(steps: list[dict], step: int) -> bool:
     """Every rank recorded the same parameter checksum at `step`."""
-    sums = {s.get(step, {}).get("param_sum") for s in steps}
+    sums = {full_param_sum(s.get(step, {})) for s in steps}
     return len(sums) == 1 and None not in sums
 
 
@@ -628,7 +634,7 @@ def recoverable(rt, plan: dict, results: list[dict]) -> dict:
             if hit:
                 return {"possible": False,
                         "reason": f"the replayed step {k} is itself anomalous on rank {r} ({hit['kind']})"}
-    sums = {res["steps"][to]["param_sum"] for res in results}
+    sums = {full_param_sum(res["steps"][to]) for res in results}
     if rt.replicated and len(sums) > 1:
         return {"possible": False, "reason": f"the replicas disagree after the replay of step {to}"}
-    return {"possible": True, "reason": None, "param_sums": [res["steps"][to]["param_sum"] for res in results]}
+    return {"possible": True, "reason": None, "param_sums": [full_param_sum(res["steps"][to]) for res in results]}

@@ -534,6 +534,7 @@ def _load_copy(rt, state, window, step: int) -> None:
     """Move this replay child from the snapshot's step to a later state copy,
     and check the copy against the parameter checksum recorded at that step."""
     from ..runtime.checksum import params_sum
+    from .coordinator import full_param_sum
     from .state_copy import CopyUnusable
 
     t0 = time.monotonic_ns()
@@ -543,7 +544,7 @@ def _load_copy(rt, state, window, step: int) -> None:
         rt.copies.load(rt, step)
     except CopyUnusable as e:
         state.finish("copy_unusable", str(e))
-    want = (window.steps.get(step) or {}).get("param_sum")
+    want = full_param_sum(window.steps.get(step) or {})
     got = params_sum([p for g in rt.main_opt.param_groups for p in g["params"]])
     if want is None or got != want:
         state.finish("copy_unusable", f"the copy of step {step} has parameter checksum {got}, the record {want}")

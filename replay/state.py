@@ -144,6 +144,8 @@ class ReplayState:
         fp["match"] = not diff
         fp["diff"] = diff
         fp["lr"] = [g.get("lr") for g in rt.main_opt.param_groups] if rt.main_opt is not None else None
+        if k >= self.to_step:  # the state a recovery merges is compared across ranks whole
+            fp["param_sum_full"] = rt.param_sum(rt.params())
         self.steps[k] = fp
         if k >= self.to_step:
             self.finish("done")

@@ -72,13 +72,42 @@ def test_parameter_checksum_is_the_same_with_and_without_wordsum(lib, monkeypatc
     with_lib(monkeypatch, lib)
     ps = checksum.ParamChecksum()
     assert ps(params) == expected
-    assert ps.ptrs is not None  # the one-pass path was taken
+    assert ps.ranges  # the one-pass path was taken
     with torch.no_grad():
         params[2].view(-1)[5] += 1.0  # a change after the views were built is seen
     with_lib(monkeypatch, None)
     changed = checksum.params_sum(params)
     with_lib(monkeypatch, lib)
     assert changed != expected and ps(params) == changed
+
+
+def test_each_part_of_the_parameter_checksum_sees_exactly_its_own_words(lib, monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 129), torch.nn.GELU(), torch.nn.Linear(129, 3))
+    params = list(model.parameters())
+    words = sum(p.numel() for p in params)
+    with_lib(monkeypatch, None)
+    expected = [checksum.params_sum(params, q) for q in range(checksum.PARTS)]
+    with_lib(monkeypatch, lib)
+    ps = checksum.ParamChecksum()
+    assert [ps(params, q) for q in range(checksum.PARTS)] == expected
+    assert ps(params) == checksum.params_sum(params)
+    # Every word lies in exactly one part: a change to any one word changes
+    # that part's sum and no other.
+    flat_at = 0
+    for i, p in enumerate(params):
+        for j in (0, p.numel() // 2, p.numel() - 1):
+            word = flat_at + j
+            part = next(q for q in range(checksum.PARTS) if checksum.part_range(words, q)[0] <= word
+                        < checksum.part_range(words, q)[1])
+            with torch.no_grad():
+                saved = p.view(-1)[j].clone()
+                p.view(-1)[j] += 1.0
+            got = [ps(params, q) for q in range(checksum.PARTS)]
+            assert [q for q in range(checksum.PARTS) if got[q] != expected[q]] == [part]
+            with torch.no_grad():
+                p.view(-1)[j] = saved
+            assert [ps(params, q) for q in range(checksum.PARTS)] == expected
+        flat_at += p.numel()
 
 
 def test_grad_norm_in_one_pass_matches_the_norm_and_repeats_bit_for_bit(lib, monkeypatch):

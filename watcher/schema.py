@@ -222,7 +222,7 @@ TABLES: tuple[Table, ...] = (
         C("grad_norm", "DOUBLE", "L2 norm of the main optimizer's gradients: as reduced across ranks (before any "
                                   "clipping) where the step's float32 allreduces carry exactly the gradients, as DDP's do; "
                                   "otherwise as the optimizer finds them."),
-        C("param_sum", "BIGINT", "Checksum of the parameters after the update (equal across DDP replicas)."),
+        C("param_sum", "BIGINT", "Checksum of part step % 4 of the parameters after the update (their 32-bit words in optimizer order, cut into 4 equal ranges: each word is covered every 4 steps); equal across DDP replicas."),
         C("batch_sum", "BIGINT", "Checksum of the batches fetched during the step, NULL if none was seen."),
         C("rng", "BIGINT", "Digest of the CPU generator state (its 32-bit word sum; CRC32 where wordsum.c is not built)."),
         C("n_coll", "INTEGER", "Collectives that completed during the step."),

@@ -3,7 +3,8 @@
 A step is delimited by the main optimizer's `step()` (the optimizer with the
 most parameters, the first one stepped on a tie); its loss is the root of the
 last scalar `backward()`.  At each step end the runtime writes a fingerprint
-(loss, grad norm, parameter checksum, batch digest, RNG digest), keeps what a
+(loss, grad norm, parameter checksum [one part of the parameters a step, see
+checksum.PARTS], batch digest, RNG digest), keeps what a
 replay needs in the current window segment, maybe forks a snapshot, runs the
 detectors, and joins an open incident when it reaches the incident's halt step.
 
@@ -32,7 +33,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from . import collectives, relink, transport
 from .collectives import COMPUTED_IN_REPLAY
-from .checksum import ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum
+from .checksum import PARTS, ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum
 from .control import PAUSE_RUNTIME, Control, process_state, read_json, write_json
 from .window import END_OF_DATA, SegmentWriter
 
@@ -80,6 +81,7 @@ class RankRuntime:
         self.step_ns: list[int] = []
         self.handled_seq = 0
         self.replicated = None        # do all ranks hold identical parameters (DDP)?
+        self.replica_votes = 0        # steps so far on which they did (check_replicas)
         self.sdc_checked = -1
         self.replay = None            # replay.state.ReplayState in a replay child
         self.unsupported = None       # why this rank cannot be replayed, if it cannot
@@ -350,6 +352,9 @@ class RankRuntime:
         self.step_end()
 
     # -- step end (live) --------------------------------------------------------------------
+    def params(self) -> list:
+        return [p for g in self.main_opt.param_groups for p in g["params"]]
+
     def fingerprint(self) -> dict:
         self.step += 1
         k = self.step
@@ -360,7 +365,7 @@ class RankRuntime:
             if work.is_completed():
                 capture()
                 self.pending.remove(item)
-        params = [p for g in self.main_opt.param_groups for p in g["params"]]
+        params = self.params()
         grads = [p.grad for p in params if p.grad is not None]
         gn = self.grad_norm(k, grads)
         loss = float(self.last_loss) if self.last_loss is not None else None
@@ -368,7 +373,7 @@ class RankRuntime:
         bsums, self.batch_sums = self.batch_sums, []
         return {"step": k, "rank": self.rank, "ts": now,
                 "dur": now - self.last_end_ns if self.last_end_ns else None,
-                "loss": loss, "grad_norm": gn, "param_sum": self.param_sum(params),
+                "loss": loss, "grad_norm": gn, "param_sum": self.param_sum(params, k % PARTS),
                 "batch_sum": _combine(bsums), "rng": rng_digest(), "n_coll": len(colls),
                 "_colls": colls}
 
@@ -394,7 +399,9 @@ class RankRuntime:
                 and self.copies.off_reason is None and self.copy_policy.due(k, self, self.copies)):
             if self.copies.take(self, k):
                 fp["state_copy_us"] = self.copies.last_ns // 1000
+                fp["param_sum_full"] = self.param_sum(self.params())  # the copy is verified whole
         if fork_due:
+            fp["param_sum_full"] = self.param_sum(self.params())  # so is the snapshot
             self.take_snapshot(k)
             if self.mode != "live":
                 return  # a replay child, woken from this snapshot: back to the training loop
@@ -495,7 +502,14 @@ class RankRuntime:
             self.sdc_checked = s
             same = len(set(sums)) == 1
             if self.replicated is None:
-                self.replicated = same  # decided on the first step every rank reported
+                # Decided over the first PARTS steps every rank reported (each
+                # covers one part of the parameters): replicas agree on all of them.
+                if not same:
+                    self.replicated = False
+                else:
+                    self.replica_votes += 1
+                    if self.replica_votes >= PARTS:
+                        self.replicated = True
                 continue
             if self.replicated and not same and self.detectors.sdc:
                 return {"kind": "sdc", "failing_step": s,
