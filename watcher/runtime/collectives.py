@@ -85,6 +85,16 @@ def call_site() -> str | None:
     return fallback
 
 
+_NAMES: dict = {}  # dtype or reduce op -> its short name ("float32", "SUM"), made once
+
+
+def _name(x) -> str:
+    name = _NAMES.get(x)
+    if name is None:
+        name = _NAMES[x] = str(x).split(".")[-1]
+    return name
+
+
 def _done_work(result):
     fut = torch.futures.Future()
     fut.set_result(result)
@@ -159,13 +169,14 @@ class WatchedGroup(dist.ProcessGroup):
             else:
                 saved, in_sum = None, tensors_sum(ins)
             self.seq += 1
+            some = ins or outs
             meta = {"group": self.gid, "seq": self.seq, "op": op, "step": rt.step + 1,
-                    "numel": sum(t.numel() for t in ins or outs),
-                    "dtype": str((ins or outs)[0].dtype).replace("torch.", "") if (ins or outs) else None,
+                    "numel": sum(t.numel() for t in some),
+                    "dtype": _name(some[0].dtype) if some else None,
                     "in_sum": in_sum, "site": call_site(), "ts": time.monotonic_ns()}
             red = getattr(args[-1], "reduceOp", None) if args else None
             if red is not None:
-                meta["reduce_op"] = str(getattr(red, "op", red)).split(".")[-1]
+                meta["reduce_op"] = _name(getattr(red, "op", red))
             root = getattr(args[-1], "rootRank", None) if args else None
             if root is not None:
                 meta["root"] = root
