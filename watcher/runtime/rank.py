@@ -299,6 +299,8 @@ class RankRuntime:
         self.waiting[(meta["group"], meta["seq"])] = (meta, group)
 
         def finished(f):
+            if threading.get_ident() not in _KEPT_STATES:
+                _keep_thread_state()
             try:
                 value = f.value()
             except Exception as e:
@@ -707,6 +709,23 @@ class RankRuntime:
         except Exception as e:  # retention is a convenience; the run's end must not fail on it
             print(f"watcher: rank {self.rank}: cannot retain snapshot {snap.step}: {e}", file=sys.stderr)
             return False
+
+
+# gloo's threads enter Python for every completion callback through a thread
+# state made for the call and dropped after it (a gettid, an mmap and a
+# munmap of its frame stack, each traced by the recorder).  One extra
+# PyGILState_Ensure, never released, keeps a thread's state for the next
+# callbacks.  Such a state is deleted with the interpreter at exit; no
+# callback may come after that anyway (see RankRuntime.quiesce).
+_KEPT_STATES: set[int] = set()
+os.register_at_fork(after_in_child=_KEPT_STATES.clear)
+
+
+def _keep_thread_state() -> None:
+    import ctypes
+
+    _KEPT_STATES.add(threading.get_ident())
+    ctypes.pythonapi.PyGILState_Ensure()
 
 
 def _private_mb(pid: int) -> float | None:
