@@ -293,9 +293,9 @@ def _say(rt, msg: str) -> None:
 TAIL_BLOCK = 1 << 20
 
 
-def _read_jsonl(path: Path, key, since: int | None = None) -> dict:
-    """A rank's JSON-lines log keyed by key(record); a line still being written
-    is skipped.  With `since` (a step) only the log's tail back to that step
+def _read_jsonl(path: Path, key, since: int | None = None, keep=None) -> dict:
+    """A rank's JSON-lines log keyed by key(record), the records `keep`
+    accepts (default all); a line still being written is skipped.  With `since` (a step) only the log's tail back to that step
     is read: an incident needs the last snapshot interval, not a long run's
     whole history (100k steps are tens of MB of JSON, seconds to parse)."""
     try:
@@ -329,16 +329,20 @@ def _read_jsonl(path: Path, key, since: int | None = None) -> dict:
             rec = json.loads(line)
         except ValueError:
             continue
-        out[key(rec)] = rec
+        if keep is None or keep(rec):
+            out[key(rec)] = rec
     return out
 
 
 def read_steps(run_dir: Path, rank: int, since: int | None = None) -> dict[int, dict]:
-    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.steps.jsonl", lambda fp: fp["step"], since)
+    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.steps.jsonl", lambda fp: fp["step"], since,
+                       lambda rec: "seq" not in rec)
 
 
 def read_colls(run_dir: Path, rank: int, since: int | None = None) -> dict[tuple, dict]:
-    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.colls.jsonl", lambda c: (c["group"], c["seq"]), since)
+    """A rank's logged collectives: the lines of its steps log that carry a sequence number."""
+    return _read_jsonl(run_dir / "runtime" / f"rank{rank}.steps.jsonl", lambda c: (c["group"], c["seq"]), since,
+                       lambda rec: "seq" in rec)
 
 
 def window_seconds(steps: dict, from_step: int, to_step: int) -> float:

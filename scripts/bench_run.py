@@ -70,7 +70,7 @@ def watcher_run(out: Path, cmd: list[str], *extra: str) -> None:
 def runtime_steps(run_dir: Path) -> list[dict]:
     out = []
     for f in sorted((run_dir / "runtime").glob("rank*.steps.jsonl")):
-        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        out += [rec for rec in map(json.loads, filter(str.strip, f.read_text().splitlines())) if "seq" not in rec]
     return out
 
 

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+from watcher.replay.coordinator import read_steps
+
 from .conftest import ROOT, needs_bpf, query
 
 pytestmark = needs_bpf
@@ -77,7 +79,7 @@ def test_no_replay_crosses_a_pause(tmp_path):
                 str(ROOT / "tests" / "workloads" / "pause_midway.py"))
     assert p.returncode == 0, p.stderr
     for r in (0, 1):
-        logged = [json.loads(line) for line in (run / "runtime" / f"rank{r}.steps.jsonl").read_text().splitlines()]
+        logged = list(read_steps(run, r).values())
         missing = set(range(70)) - {fp["step"] for fp in logged}
         # The paused steps pass through unrecorded (rank 1 reads the word at its
         # own step ends, so its edges may fall one step either way).

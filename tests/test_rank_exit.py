@@ -12,9 +12,10 @@ recorder: the race is between the rank's threads only.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
+
+from watcher.replay.coordinator import read_colls
 
 from .conftest import ROOT
 
@@ -33,7 +34,7 @@ def test_rank_exiting_right_after_its_last_collective_exits_zero(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         assert "terminate called" not in p.stderr
         for rank in range(4):
-            colls = [json.loads(line) for line in (out / "runtime" / f"rank{rank}.colls.jsonl").read_text().splitlines()]
+            colls = list(read_colls(out, rank).values())
             # 3 steps x 2 gradient all_reduces, then the last one: logged at exit, under the step that never ended
             assert [(c["op"], c["step"]) for c in colls] == \
                 [("allreduce", s) for s in (0, 0, 1, 1, 2, 2, 3)], colls

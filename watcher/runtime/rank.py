@@ -150,8 +150,9 @@ class RankRuntime:
         self.active = True
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ctl = Control(self.dir)
+        # One log of JSON lines per rank: each step's collectives (lines with
+        # "seq"), then the step's fingerprint; one write a step reaches the file.
         self.steps_log = open(self.dir / f"rank{self.rank}.steps.jsonl", "a", buffering=1 << 16)
-        self.coll_log = open(self.dir / f"rank{self.rank}.colls.jsonl", "a", buffering=1 << 16)
         # No segment before the first snapshot: nothing could replay it.
         # Capped, and never more than a quarter of the free space shared by this node's ranks.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) or 1
@@ -463,7 +464,7 @@ class RankRuntime:
             if copies is not None:
                 meta["out_sum"] = tensors_sum(copies)
             line = json.dumps(meta)
-            self.coll_log.write(line + "\n")
+            self.steps_log.write(line + "\n")
             lines.append(line)
         return lines
 
@@ -483,7 +484,6 @@ class RankRuntime:
 
     def flush_logs(self) -> None:
         self.steps_log.flush()
-        self.coll_log.flush()
 
     def detect(self, fp: dict) -> dict | None:
         if fp["step"] == self.replay_check_step and self.rank == 0:
