@@ -295,9 +295,10 @@ TAIL_BLOCK = 1 << 20
 
 def _read_jsonl(path: Path, key, since: int | None = None, keep=None) -> dict:
     """A rank's JSON-lines log keyed by key(record), the records `keep`
-    accepts (default all); a line still being written is skipped.  With `since` (a step) only the log's tail back to that step
-    is read: an incident needs the last snapshot interval, not a long run's
-    whole history (100k steps are tens of MB of JSON, seconds to parse)."""
+    accepts (default all); a line still being written is skipped.  With
+    `since` (a step) only the log's tail back to that step is read: an
+    incident needs the last snapshot interval, not a long run's whole
+    history (100k steps are tens of MB of JSON, seconds to parse)."""
     try:
         with open(path, "rb") as f:
             if since is None:

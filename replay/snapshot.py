@@ -545,7 +545,7 @@ def _load_copy(rt, state, window, step: int) -> None:
     except CopyUnusable as e:
         state.finish("copy_unusable", str(e))
     want = full_param_sum(window.steps.get(step) or {})
-    got = params_sum([p for g in rt.main_opt.param_groups for p in g["params"]])
+    got = params_sum(rt.params())
     if want is None or got != want:
         state.finish("copy_unusable", f"the copy of step {step} has parameter checksum {got}, the record {want}")
     state.from_step = rt.step

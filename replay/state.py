@@ -90,9 +90,7 @@ class ReplayState:
             # The step a crashed rank died in: its collectives went down with
             # it.  Computed from the peers' inputs all the same, compared with nothing.
             rec = {"in_sum": None, "op": meta["op"], "out_sum": None}
-        ok = rec["in_sum"] == meta["in_sum"] and rec["op"] == meta["op"]
-        if rec["in_sum"] is None:
-            ok = None
+        ok = None if rec["in_sum"] is None else rec["in_sum"] == meta["in_sum"] and rec["op"] == meta["op"]
         entry = {"group": key[0], "seq": key[1], "op": meta["op"], "step": meta["step"],
                  "in_sum": meta["in_sum"], "recorded_in_sum": rec["in_sum"], "match": ok}
         self.colls.append(entry)

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_recorder import print_table, read_steps, window_median_ms  # noqa: E402
 
+from watcher.replay.coordinator import read_steps  # noqa: E402
 from watcher.run import POLICIES  # noqa: E402
 
 WARMUP = 10
@@ -70,7 +71,7 @@ def watcher_run(out: Path, cmd: list[str], *extra: str) -> None:
 def runtime_steps(run_dir: Path) -> list[dict]:
     out = []
     for f in sorted((run_dir / "runtime").glob("rank*.steps.jsonl")):
-        out += [rec for rec in map(json.loads, filter(str.strip, f.read_text().splitlines())) if "seq" not in rec]
+        out += read_steps(run_dir, int(f.name[4:].split(".")[0])).values()
     return out
 
 

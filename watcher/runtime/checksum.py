@@ -315,7 +315,7 @@ def object_sum(obj) -> int | None:
 def rng_digest() -> int:
     """A digest of the CPU generator's state (5 KB): its 32-bit word sum, read
     by wordsum.c straight from the state tensor (a CRC through numpy cost
-    ~60 us a step in place, this ~25 us, most of it torch copying the state
+    ~60 us a step in place, this ~11 us, most of it torch copying the state
     out).  A replay is a fork of the same rank and digests the same way."""
     state = torch.get_rng_state()
     if LIB is not None and state.numel() % 4 == 0:

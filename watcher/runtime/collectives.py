@@ -49,15 +49,14 @@ _FILE_KIND: dict[str, int] = {}  # source file -> which of the above; a rank run
 
 
 def _file_kind(name: str) -> int:
-    kind = _FILE_KIND.get(name)
-    if kind is None:
-        if name.startswith(_TORCH_DIR) or name.startswith(_OURS):
-            kind = _SKIP
-        elif any(m in name for m in _LIBRARY_MARKS) or name.startswith(_STDLIB):
-            kind = _LIBRARY
-        else:
-            kind = _USER
-        _FILE_KIND[name] = kind
+    """Classify a source file not seen before, and remember it."""
+    if name.startswith(_TORCH_DIR) or name.startswith(_OURS):
+        kind = _SKIP
+    elif any(m in name for m in _LIBRARY_MARKS) or name.startswith(_STDLIB):
+        kind = _LIBRARY
+    else:
+        kind = _USER
+    _FILE_KIND[name] = kind
     return kind
 
 
