@@ -15,7 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .events import EVENT_DTYPES, LIBRARY_RINGS, RING_NAMES
+from ..uprobes.attach import LibraryProber
+from ..uprobes.python_frames import cflags as python_frame_flags
+from ..uprobes.spec import load_specs, select
+from .events import API_EVENT, EVENT_DTYPES, LIBRARY_RINGS, RING_NAMES
 from .ringbuf import RingReader
 
 HERE = Path(__file__).resolve().parent
@@ -59,8 +62,6 @@ class RecorderConfig:
         to many symbols."""
         if self.op_pattern:
             return 8
-        from ..uprobes.spec import load_specs, select
-
         n = sum(len(lib.probes) for lib in select(load_specs(UPROBES_DIR), set(self.libraries), None))
         return max(1, min(16, -(-(n * 5 // 4) // 16)))
 
@@ -71,8 +72,6 @@ class RecorderConfig:
                  f"-DPOLL_LOG_MIN_NS={int(self.poll_log_min_ns)}ULL"]
         for probe in KERNEL_PROBES:
             flags.append(f"-DPROBE_{probe.upper()}={int(probe in self.probes)}")
-        from ..uprobes.python_frames import cflags as python_frame_flags
-
         flags += python_frame_flags()
         flags += [f"-I{UPROBES_DIR}", f"-DWITH_UPROBES={int(self.with_uprobes)}",
                   f"-DAPI_ROWS={self.api_rows}", f"-DAPI_SLOTS={16 * self.api_rows}"]
@@ -104,7 +103,7 @@ class KernelRecorder:
     """The loaded BPF programs for one recording."""
 
     def __init__(self, config: RecorderConfig | None = None):
-        from bcc import BPF  # imported late: `watcher check` explains a missing bcc
+        from bcc import BPF  # lazy: bcc is heavy and optional; `watcher check` explains a missing bcc
 
         self.config = config or RecorderConfig()
         text = SOURCE.read_text()
@@ -121,9 +120,6 @@ class KernelRecorder:
         }
         self.prober = None
         if self.config.with_uprobes:
-            from ..uprobes.attach import LibraryProber
-            from ..uprobes.spec import load_specs, select
-
             specs = select(load_specs(UPROBES_DIR), set(self.config.libraries), self.config.op_pattern)
             self.prober = LibraryProber(self.bpf, specs, 16 * self.config.api_rows,
                                         python_stacks=self.config.python_stacks)
@@ -181,8 +177,6 @@ class KernelRecorder:
 
     def api_in_progress(self) -> np.ndarray:
         """Library calls entered and not yet returned, as api_event records."""
-        from .events import API_EVENT
-
         if self.prober is None:
             return np.empty(0, dtype=API_EVENT)
         rows = []

@@ -31,15 +31,18 @@ from __future__ import annotations
 import math
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ..runtime.control import read_json, write_json
+from ..incident import load_incident, save_incident
+from ..rundir import IncidentDir, read_json, write_json
+from ..runtime.seam import Rank
+from .plan import diagnosis_start
+from .rounds import WAIT_S, await_replays, load_results, replay_here, say
+from .verdict import recoverable
 
-WAIT_S = float(os.environ.get("WATCHER_INCIDENT_WAIT", "600"))
 PARAM_VARIANTS = ("lr_hold", "lr_low", "clip")
 # How each counterfactual reads in evidence ("it fails as well ...").
 AS_CHANGED = {"swap_batch": "with another batch", "drop_rows": "without the anomalous samples",
@@ -47,93 +50,56 @@ AS_CHANGED = {"swap_batch": "with another batch", "drop_rows": "without the anom
               "clip": "with clipped gradients", "other_cores": "on other CPUs", "float64": "in float64"}
 
 
-def diagnose(rt, info: dict, plan: dict, inc_dir: Path) -> dict | None:
+def diagnose(rt: Rank, info: dict, plan: dict, inc_dir: IncidentDir) -> dict | None:
     """Run the diagnosis on every rank; returns the outcome rank 0 wrote
     ({"apply": variant or None}), or None when no diagnosis was possible."""
-    ddir = inc_dir / "diagnosis"
-    ddir.mkdir(exist_ok=True)
+    inc_dir.diagnosis.mkdir(exist_ok=True)
     iid = info["incident_id"]
     if rt.rank == 0:
-        write_json(ddir / "round0.json", plan_trace(rt, info, plan, inc_dir))
-    rt.ctl.wait(lambda: (ddir / "round0.json").exists(), WAIT_S, "the diagnosis plan")
-    first = read_json(ddir / "round0.json")
+        write_json(inc_dir.diagnosis_round(0), plan_trace(rt, info, plan, inc_dir))
+    rt.ctl.wait(lambda: inc_dir.diagnosis_round(0).exists(), WAIT_S, "the diagnosis plan")
+    first = read_json(inc_dir.diagnosis_round(0))
     if first.get("from_step") is None:
         return None
     dplan = dict(plan, from_step=first["from_step"])
-    snap = rt.snapshot_at(first["from_step"])
     t0 = time.monotonic()
     for rnd in (0, 1):
-        path = ddir / f"round{rnd}.json"
+        path = inc_dir.diagnosis_round(rnd)
         rt.ctl.wait(lambda: path.exists(), WAIT_S, f"diagnosis round {rnd}")
-        for i, var in enumerate(read_json(path)["variants"]):
-            _say(rt, f"{iid}: counterfactual replay {var['name']}")
-            _replay_variant(rt, snap, var, dplan, ddir, iid)
+        for var in read_json(path)["variants"]:
+            say(rt, f"{iid}: counterfactual replay {var['name']}")
+            replay_here(rt, first["from_step"], dplan["to_step"], inc_dir.variant(var["name"]),
+                        f"{iid}-{var['name']}", dplan.get("replay_timeout_s", 120.0), variant=var,
+                        keep_exchange=False)
         if rt.rank == 0 and rnd == 0:
-            trace = _wait_results(rt, ddir / "trace")
-            write_json(ddir / "round1.json", {"variants": plan_counterfactuals(rt, info, dplan, trace)})
+            trace = _results(rt, inc_dir, "trace")
+            write_json(inc_dir.diagnosis_round(1), {"variants": plan_counterfactuals(rt, info, dplan, trace)})
     if rt.rank == 0:
-        names = ["trace"] + [v["name"] for v in read_json(ddir / "round1.json")["variants"]]
-        results = {n: _wait_results(rt, ddir / n) for n in names}
-        variants = {v["name"]: v for v in read_json(ddir / "round1.json")["variants"]}
+        variants = {v["name"]: v for v in read_json(inc_dir.diagnosis_round(1))["variants"]}
+        results = {n: _results(rt, inc_dir, n) for n in ["trace"] + list(variants)}
         outcome = judge(rt, info, dplan, results, variants, inc_dir)
         outcome["diagnosis_s"] = round(time.monotonic() - t0, 3)
-        write_json(ddir / "done.json", outcome)
-    rt.ctl.wait(lambda: (ddir / "done.json").exists(), WAIT_S, "the diagnosis")
-    return read_json(ddir / "done.json")
+        write_json(inc_dir.diagnosis_done, outcome)
+    rt.ctl.wait(lambda: inc_dir.diagnosis_done.exists(), WAIT_S, "the diagnosis")
+    return read_json(inc_dir.diagnosis_done)
 
 
-def _replay_variant(rt, snap, var: dict, plan: dict, ddir: Path, iid: str) -> None:
-    out = ddir / var["name"]
-    exchange = rt.window_dir / f"exchange-{iid}-{var['name']}"
-    exchange.mkdir(exist_ok=True)
-    mine = {"rank": rt.rank}
-    try:
-        if snap is None:
-            mine["error"] = f"snapshot {plan['from_step']} is gone"
-        else:
-            mine.update(snap.replay(plan["to_step"], out, timeout=plan.get("replay_timeout_s", 120.0),
-                                    exchange=exchange, variant=var))
-    except Exception as e:
-        mine["error"] = f"replay failed: {e}"
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / f"replayed.rank{rt.rank}.json", mine)
-    import shutil
-
-    shutil.rmtree(exchange, ignore_errors=True)
-
-
-def _wait_results(rt, out: Path) -> list[dict]:
-    rt.ctl.wait(lambda: all((out / f"replayed.rank{r}.json").exists() for r in range(rt.world)), WAIT_S,
-                f"every rank's {out.name} replay")
-    results = []
-    for r in range(rt.world):
-        try:
-            results.append(torch.load(out / f"rank{r}.result.pt", weights_only=False))
-        except Exception:
-            results.append({"rank": r, "status": "no_result"})
-    return results
-
-
-def _say(rt, msg: str) -> None:
-    if rt.rank == 0:
-        print(f"watcher: {msg}", file=sys.stderr, flush=True)
+def _results(rt: Rank, inc_dir: IncidentDir, name: str) -> list[dict]:
+    out = inc_dir.variant(name)
+    await_replays(rt, out, f"every rank's {name} replay")
+    return load_results(out, rt.world)
 
 
 # -- planning (rank 0) ------------------------------------------------------------------------
 
-def plan_trace(rt, info: dict, plan: dict, inc_dir: Path) -> dict:
+def plan_trace(rt: Rank, info: dict, plan: dict, inc_dir: IncidentDir) -> dict:
     """Round 0: from the oldest verified snapshot every rank holds, so the
     window reaches back before a cause that came a few steps early."""
-    from .coordinator import held_by_all, read_steps, verified
-
-    arrivals = [read_json(inc_dir / f"arrive.rank{r}.json") for r in range(rt.world)]
-    steps = [read_steps(rt.run_dir, r) for r in range(rt.world)]
-    k = info["failing_step"]
-    v = next((s for s in sorted(held_by_all(arrivals)) if s < k and verified(steps, s)), None)
-    _say(rt, f"diagnosing {info['incident_id']}: counterfactual replays of steps {v}..{plan['to_step']}"
-         if v is not None else f"diagnosing {info['incident_id']}: no verified snapshot to replay from")
+    v = diagnosis_start(rt, info, inc_dir)
+    say(rt, f"diagnosing {info['incident_id']}: counterfactual replays of steps {v}..{plan['to_step']}"
+        if v is not None else f"diagnosing {info['incident_id']}: no verified snapshot to replay from")
     return {"from_step": v, "to_step": plan["to_step"],
-            "variants": [{"name": "trace", "trace": {"failing_step": k}}]}
+            "variants": [{"name": "trace", "trace": {"failing_step": info["failing_step"]}}]}
 
 
 def plan_counterfactuals(rt, info: dict, plan: dict, trace: list[dict]) -> list[dict]:
@@ -160,48 +126,45 @@ def plan_counterfactuals(rt, info: dict, plan: dict, trace: list[dict]) -> list[
     return out
 
 
-def _other_cores(rt) -> dict:
+def _other_cores(rt: Rank) -> dict:
     """Ranks pinned to a subset of the machine's CPUs, moved to the rest."""
     every = set(range(os.cpu_count() or 1))
     moved = {}
     for r in range(rt.world):
-        got = read_json(rt.run_dir / "incidents" / "affinity" / f"rank{r}.json") if \
-            (rt.run_dir / "incidents" / "affinity" / f"rank{r}.json").exists() else None
+        path = rt.rundir.affinity(r)
+        got = read_json(path) if path.exists() else None
         if got and set(got) < every:
             moved[str(r)] = sorted(every - set(got))
     return moved
 
 
-def record_affinity(rt) -> None:
+def record_affinity(rt: Rank) -> None:
     """Each rank says where it runs (its CPU set) before a diagnosis."""
-    d = rt.run_dir / "incidents" / "affinity"
-    d.mkdir(parents=True, exist_ok=True)
-    write_json(d / f"rank{rt.rank}.json", sorted(os.sched_getaffinity(0)))
+    path = rt.rundir.affinity(rt.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, sorted(os.sched_getaffinity(0)))
 
 
 # -- judging (rank 0) --------------------------------------------------------------------------
 
-def _clean(rt, plan: dict, results: list[dict]) -> tuple[bool, str | None]:
-    from .coordinator import recoverable
-
+def _clean(rt: Rank, plan: dict, results: list[dict]) -> tuple[bool, str | None]:
     got = recoverable(rt, plan, results)
     return bool(got["possible"]), got.get("reason")
 
 
-def judge(rt, info: dict, plan: dict, results: dict, variants: dict, inc_dir: Path) -> dict:
+def judge(rt: Rank, info: dict, plan: dict, results: dict, variants: dict, inc_dir: IncidentDir) -> dict:
     """Attribution, causal chain and prescription from the replays' outcomes;
     written into the incident.  Returns {"apply": variant name or None}."""
-    inc_path = rt.run_dir / "incidents" / f"{info['incident_id']}.json"
-    verdict = read_json(inc_path)
-    found = conclude(rt, info, plan, results, variants, inc_dir / "reproducer")
+    verdict = load_incident(rt.rundir, info["incident_id"])
+    found = conclude(rt, info, plan, results, variants, inc_dir.reproducer)
     apply, cause = found.pop("apply"), found["attribution"]["cause"]
-    verdict.update(found)
+    verdict.update(**found)
     apply = apply if rt.policy == "apply" else None
     if apply:
-        verdict["recovery"] = {"possible": True, "reason": None, "from_variant": apply}
-    write_json(inc_path, verdict)
-    _say(rt, f"{info['incident_id']}: {cause} (confidence {found['attribution']['confidence']}); prescription "
-             f"{found['prescription']['action']}" + (f", applying it ({apply})" if apply else ""))
+        verdict.recovery = {"possible": True, "reason": None, "from_variant": apply}
+    save_incident(rt.rundir, verdict)
+    say(rt, f"{info['incident_id']}: {cause} (confidence {found['attribution']['confidence']}); prescription "
+            f"{found['prescription']['action']}" + (f", applying it ({apply})" if apply else ""))
     return {"apply": apply, "cause": cause}
 
 
@@ -399,47 +362,3 @@ def write_reproducer(out: Path, info: dict, origin: dict, inputs: dict, cause: s
     script.write_text(REPRO.format(op=origin["op"], module=origin["module"], step=origin["step"], rank=origin["rank"],
                                    cause=cause))
     return script
-
-
-# -- applying the prescription (every rank, after the merge) ---------------------------------
-
-def apply_effects(rt, info: dict) -> None:
-    """What the prescription changes from now on, beyond the merged state:
-    the adjusted parameter stays adjusted, the quarantined CPUs stay unused."""
-    inc_path = rt.run_dir / "incidents" / f"{info['incident_id']}.json"
-    verdict = read_json(inc_path)
-    p = verdict.get("prescription") or {}
-    if p.get("action") == "adjust_params" and rt.main_opt is not None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        opt = rt.main_opt
-        caps = {c["param_group"]: c["to"] for c in p["params"] if c["name"] == "lr"}
-        clip = next((c["to"] for c in p["params"] if c["name"] == "max_grad_norm"), None)
-
-        def adjusted(o, args, kwargs):
-            if o is not opt:
-                return
-            for i, g in enumerate(o.param_groups):
-                if i in caps:
-                    g["lr"] = min(g["lr"], caps[i])
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_([q for g in o.param_groups for q in g["params"]], clip)
-        register_optimizer_step_pre_hook(adjusted)
-    elif p.get("action") == "skip_batch":
-        # The samples stay skipped wherever they come back (a later epoch, another rank).
-        rt.skip_digests |= {int(d) for b in p["batches"] for d in b.get("digests") or []}
-        rt.skip_reason = info["incident_id"]
-    elif p.get("action") == "quarantine_device" and p["device"]["rank"] == rt.rank:
-        os.sched_setaffinity(0, p["move_to"]["cpus"])
-        quarantine(rt.run_dir, p["device"], info["incident_id"])
-    if rt.rank == 0:
-        verdict["prescription"] = dict(p, applied=True, applied_at_step=rt.step + 1)
-        write_json(inc_path, verdict)
-
-
-def quarantine(run_dir: Path, device: dict, incident_id: str) -> None:
-    """DIR/quarantine.json: devices this run stopped using, and why."""
-    path = run_dir / "quarantine.json"
-    found = read_json(path) if path.exists() else []
-    found.append(dict(device, incident_id=incident_id, ts=time.time()))
-    write_json(path, found)

@@ -4,14 +4,12 @@ In a coordinated replay every rank's child re-executes the window at once.
 At each collective a child appends its replayed inputs to its own exchange
 file (opened before the sandbox closed, the one file it may write), reads the
 same collective's inputs from its peers' files, and computes the outputs
-itself, in rank order.  Every child computes the same outputs from the same
-inputs, so the replay needs no process to reduce for it, and the outputs are
-the reduction of the *replayed* inputs: a corrupted contribution or a
-corrupted transfer of the live run does not come back.
-
-For 2 ranks a sum in rank order is bit-identical to gloo's (a + b == b + a);
-for more ranks gloo's ring order differs in rounding, and a replay is then
-exact only for integer or max/min reductions.
+itself, reductions in the backend's own order (reduction.py).  Every child
+computes the same outputs from the same inputs, so the replay needs no
+process to reduce for it, and the outputs are the reduction of the
+*replayed* inputs: a corrupted contribution or a corrupted transfer of the
+live run does not come back, and a faithful replay gets the live bits at any
+world size.
 """
 
 from __future__ import annotations
@@ -22,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.collectives import COMPUTED_IN_REPLAY as REDUCED
 from ..runtime.window import decode, encode, framed
+from .reduction import ring_reduce, ring_reduce_into
+
 TAG = 0x5843  # exchange files are never recycled; any fixed tag does
 
 
@@ -123,31 +122,26 @@ def exchange_path(directory: Path, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.xchg"
 
 
-def compute_outputs(meta: dict, inputs: list[list[torch.Tensor]], outs: list[torch.Tensor], world: int) -> bool:
-    """Write into `outs` what the collective delivers given every rank's
-    inputs.  False for an op this module cannot compute."""
-    op = meta["op"]
+def compute_outputs(meta: dict, inputs: list[list[torch.Tensor]], outs: list[torch.Tensor], me: int) -> bool:
+    """Write into `outs` what the collective delivers to group rank `me`,
+    given every member's inputs (by group rank, flattened as the wrapper
+    flattens them: runtime/collectives.py).  False for a call this module
+    cannot compute."""
+    op, world = meta["op"], len(inputs)
+    red = meta.get("reduce_op") or "SUM"
     if op == "barrier":
         return True
     if op in ("allreduce", "allreduce_coalesced"):
-        red = meta.get("reduce_op") or "SUM"
+        ring_reduce_into(outs, inputs, red)
+        return True
+    if op == "reduce_scatter":
+        # One ring allreduce per input position; this rank keeps its own position's.
         for i, o in enumerate(outs):
-            acc = inputs[0][i].clone()
-            for r in range(1, world):
-                t = inputs[r][i]
-                if red in ("SUM", "AVG"):
-                    acc += t
-                elif red == "MAX":
-                    torch.maximum(acc, t, out=acc)
-                elif red == "MIN":
-                    torch.minimum(acc, t, out=acc)
-                elif red == "PRODUCT":
-                    acc *= t
-                else:
-                    return False
-            if red == "AVG":
-                acc /= world
-            o.copy_(acc)
+            o.view(-1).copy_(ring_reduce([inputs[r][i * world + me] for r in range(world)], red))
+        return True
+    if op == "_reduce_scatter_base":
+        n = outs[0].numel()
+        outs[0].view(-1).copy_(ring_reduce([inputs[r][0] for r in range(world)], red)[me * n:(me + 1) * n])
         return True
     if op == "broadcast":
         root = meta.get("root")
@@ -163,5 +157,15 @@ def compute_outputs(meta: dict, inputs: list[list[torch.Tensor]], outs: list[tor
         return True
     if op == "_allgather_base":
         outs[0].copy_(torch.cat([inputs[r][0].reshape(-1) for r in range(world)]).view_as(outs[0]))
+        return True
+    if op == "alltoall":
+        for j, o in enumerate(outs):
+            o.copy_(inputs[j][me])
+        return True
+    if op == "alltoall_base" and not meta.get("splits"):
+        # Even splits along dim 0: from rank j, the j-th part of this rank's output.
+        parts = outs[0].chunk(world)
+        for j, part in enumerate(parts):
+            part.copy_(inputs[j][0].chunk(world)[me])
         return True
     return False

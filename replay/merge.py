@@ -11,46 +11,17 @@ training script holds is replaced, only overwritten.
 
 from __future__ import annotations
 
-import gc
-import warnings
-
 import torch
 
 from ..runtime.checksum import params_sum
+from ..runtime.seam import Rank
+from ..runtime.training import optimizer_params
 
 
-def _params(opt) -> list:
-    return [p for g in opt.param_groups for p in g["params"]]
-
-
-def modules_holding(params: list) -> dict[int, torch.nn.Module]:
-    """Every module that owns one of these parameters, by id."""
-    return scan_training_objects(params, None)[0]
-
-
-def scan_training_objects(params: list, opt) -> tuple[dict[int, torch.nn.Module], list]:
-    """Every module that owns one of these parameters (by id), and the LR
-    schedulers driving `opt` (state_copy.py carries their counters).  A scan
-    of every object (~100 ms in a rank), so the runtime does it once, before
-    its first snapshot: replays forked later inherit the answer."""
-    want = {id(p) for p in params}
-    found, schedulers = {}, []
-    sched = getattr(torch.optim.lr_scheduler, "LRScheduler", None) or torch.optim.lr_scheduler._LRScheduler
-    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.nn.Module):
-                if any(id(p) in want for p in obj.parameters(recurse=False)):
-                    found[id(obj)] = obj
-            elif opt is not None and isinstance(obj, sched) and getattr(obj, "optimizer", None) is opt:
-                schedulers.append(obj)
-    return found, schedulers
-
-
-def training_state(rt) -> dict:
+def training_state(rt: Rank) -> dict:
     """What one step of training changes, as of now (in the replay child)."""
     opt = rt.main_opt
-    params = _params(opt)
+    params = optimizer_params(opt)
     state = []
     for p in params:
         st = opt.state.get(p, {})
@@ -72,7 +43,7 @@ def merge_state(rt, st: dict) -> int:
     """Overwrite the live rank's training state with `st`; returns the
     parameter checksum it then holds (the caller compares it with st's)."""
     opt = rt.main_opt
-    params = _params(opt)
+    params = optimizer_params(opt)
     if len(params) != len(st["params"]):
         raise ValueError(f"the replay holds {len(st['params'])} parameters, the live rank {len(params)}")
     for p, v, g in zip(params, st["params"], st["grads"]):

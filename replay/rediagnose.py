@@ -27,14 +27,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
+from ..analysis.detectors import Detectors
 from ..errors import RecordingError, UsageError
-from ..runtime.control import process_state, read_json, write_json
-
-from .coordinator import DIAGNOSED, read_steps, window_seconds
+from ..incident import load_incident
+from ..rundir import ReplayDir, RunDir, read_json, write_json
+from ..runtime.control import process_state
 from .diagnose import conclude, plan_counterfactuals
+from .plan import replay_timeout_s, window_seconds
+from .rounds import load_results, remove_tree
 from .snapshot import replay_order
+from .verdict import DIAGNOSED
 
 # What a prescription says beyond the decision itself: where its reproducer
 # was written and whether the run applied it.
@@ -43,8 +46,8 @@ NOT_COMPARED = ("reproducer", "applied", "applied_at_step")
 
 @dataclass
 class OfflineRun:
-    """What diagnosis reads from a rank's runtime, taken from the run directory."""
-    run_dir: Path
+    """What diagnosis reads of a rank (runtime/seam.py), taken from the run directory."""
+    rundir: RunDir
     world: int
     detectors: object
     replicated: bool | None
@@ -52,10 +55,10 @@ class OfflineRun:
     policy: str = "observe"  # a diagnosis after the run changes nothing
 
 
-def retained(run_dir: Path) -> list[dict]:
+def retained(run_dir: RunDir) -> list[dict]:
     """The retained snapshots, by rank, each with "alive"."""
     found = []
-    for p in (run_dir / "retained").glob("rank*.json"):
+    for p in run_dir.retained_infos():
         try:
             r = read_json(p)
         except (OSError, ValueError):
@@ -71,18 +74,10 @@ def _alive(r: dict) -> bool:
     return got is not None and got[0] != "Z" and got[1] == r.get("start_ticks")
 
 
-def _check_run_dir(run_dir: Path) -> None:
-    if not (run_dir / "incidents").is_dir():
-        raise RecordingError(f"{run_dir} is not a `watcher run` directory (no incidents/)")
-
-
 def rediagnose(run_dir: Path, incident_id: str | None = None, say=lambda msg: None) -> dict:
     """Repeat the incident's diagnosis from its retained snapshots; returns the
     new attribution, chain and prescription and whether they match the run's."""
-    from ..analysis.detectors import Detectors
-
-    run_dir = Path(run_dir)
-    _check_run_dir(run_dir)
+    run_dir = RunDir(run_dir).check()
     snaps = retained(run_dir)
     if not snaps:
         raise RecordingError(f"{run_dir} has no retained snapshots: only a run stopped by a persistent "
@@ -93,17 +88,16 @@ def rediagnose(run_dir: Path, incident_id: str | None = None, say=lambda msg: No
         raise UsageError(f"the retained snapshots are {held}'s, not {iid}'s")
     world = snaps[0]["world"]
     if [s["rank"] for s in snaps] != list(range(world)) or len({s["step"] for s in snaps}) != 1:
-        raise RecordingError(f"{run_dir}/retained holds ranks {[s['rank'] for s in snaps]} at steps "
+        raise RecordingError(f"{run_dir.retained} holds ranks {[s['rank'] for s in snaps]} at steps "
                              f"{sorted({s['step'] for s in snaps})}, not one snapshot per rank of {world}")
     gone = [s["rank"] for s in snaps if not s["alive"]]
     if gone:
         ends = time.strftime("%H:%M:%S", time.localtime(max(s["until"] for s in snaps)))
         raise RecordingError(f"the retained snapshots of ranks {gone} are gone (kept until {ends}, or released); "
                              "run again with a longer --retain")
-    inc_path = run_dir / "incidents" / f"{iid}.json"
-    if not inc_path.exists():
-        raise UsageError(f"no incident {iid} in {run_dir}")
-    inc = read_json(inc_path)
+    if not run_dir.incident_path(iid).exists():
+        raise UsageError(f"no incident {iid} in {run_dir.root}")
+    inc = load_incident(run_dir, iid).to_dict()
     if inc.get("kind") not in DIAGNOSED:
         raise UsageError(f"{iid} is a {inc.get('kind')} incident; diagnosis covers {', '.join(DIAGNOSED)}")
     rt = OfflineRun(run_dir, world, Detectors.from_dict(json.loads(snaps[0]["detect"] or "{}")),
@@ -112,26 +106,25 @@ def rediagnose(run_dir: Path, incident_id: str | None = None, say=lambda msg: No
     to_step = (inc.get("diagnosis") or {}).get("to_step") or inc["window"]["to_step"]
     info = {"incident_id": iid, "failing_step": k, "rank": inc["detected_rank"], "kind": inc["kind"],
             "detected_ts": inc.get("detected_ts")}
-    window_s = window_seconds(read_steps(run_dir, 0), snaps[0]["step"], to_step)
+    window_s = window_seconds(run_dir.read_steps(0), snaps[0]["step"], to_step)
     plan = {"failing_step": k, "from_step": snaps[0]["step"], "to_step": to_step,
-            "replay_timeout_s": max(60.0, 20 * window_s)}
-    n = 1 + len(list((run_dir / "incidents" / iid).glob("rediagnosis-*")))
-    out = run_dir / "incidents" / iid / f"rediagnosis-{n}"
+            "replay_timeout_s": replay_timeout_s(window_s)}
+    out = run_dir.incident_dir(iid).new_rediagnosis()
     out.mkdir(parents=True)
     t0 = time.monotonic()
     say(f"{iid}: replaying steps {plan['from_step']}..{to_step} from the retained snapshots")
-    trace = _replay_everywhere(snaps, {"name": "trace", "trace": {"failing_step": k}}, plan, out, say)
+    trace = _replay_everywhere(run_dir, snaps, {"name": "trace", "trace": {"failing_step": k}}, plan, out, say)
     variants = plan_counterfactuals(rt, info, plan, trace)
     results = {"trace": trace}
     for var in variants:
-        results[var["name"]] = _replay_everywhere(snaps, var, plan, out, say)
+        results[var["name"]] = _replay_everywhere(run_dir, snaps, var, plan, out, say)
     found = conclude(rt, info, plan, results, {v["name"]: v for v in variants}, out / "reproducer")
     found.pop("apply")
     doc = {"incident_id": iid, "from_step": plan["from_step"], "to_step": to_step,
            "diagnosis_s": round(time.monotonic() - t0, 3), "window_s": round(window_s, 3), **found}
     doc["differences"] = differences(inc, found) if inc.get("attribution") else None
     doc["same_as_recorded"] = None if doc["differences"] is None else not doc["differences"]
-    write_json(out / "result.json", doc)
+    write_json(ReplayDir(out).summary, doc)
     doc["out"] = str(out)
     return doc
 
@@ -161,51 +154,42 @@ def _plain(x):
     return json.loads(json.dumps(x, default=str))
 
 
-def _replay_everywhere(snaps: list[dict], var: dict, plan: dict, out: Path, say) -> list[dict]:
+def _replay_everywhere(run_dir: RunDir, snaps: list[dict], var: dict, plan: dict, out: Path, say) -> list[dict]:
     """One variant, replayed by every rank's snapshot at once; their results."""
     name = var["name"]
     say(f"counterfactual replay {name}")
-    vdir = out / name
-    vdir.mkdir(parents=True)
+    vdir = ReplayDir(out / name)
+    vdir.path.mkdir(parents=True)
     exchange = out / f"exchange-{name}"
     exchange.mkdir()
-    run_dir = out.parent.parent.parent
     for s in snaps:
         r = s["rank"]
-        order = replay_order(r, plan["to_step"], vdir, exchange, plan["replay_timeout_s"], var,
-                             reply=vdir / f"rank{r}.reply.json")
-        write_json(run_dir / "retained" / "orders" / f"rank{r}" / f"{time.time_ns()}-{name}.json", order)
+        order = replay_order(r, plan["to_step"], vdir, exchange, plan["replay_timeout_s"], var, reply=vdir.reply(r))
+        write_json(run_dir.retained_orders(r) / f"{time.time_ns()}-{name}.json", order)
     deadline = time.monotonic() + plan["replay_timeout_s"] + 30
-    replies = [vdir / f"rank{s['rank']}.reply.json" for s in snaps]
+    replies = [vdir.reply(s["rank"]) for s in snaps]
     while not all(p.exists() for p in replies):
         dead = [s["rank"] for s, p in zip(snaps, replies) if not p.exists() and not _alive(s)]
         if dead or time.monotonic() > deadline:
-            shutil.rmtree(exchange, ignore_errors=True)
+            remove_tree(exchange)
             raise RecordingError(f"replay {name}: the snapshots of ranks {dead} exited before replying" if dead
                                  else f"replay {name}: no reply within {plan['replay_timeout_s'] + 30:.0f} s")
         time.sleep(0.05)
-    shutil.rmtree(exchange, ignore_errors=True)  # every rank's replayed inputs: large, read by nobody now
-    results = []
-    for s in snaps:
-        try:
-            results.append(torch.load(vdir / f"rank{s['rank']}.result.pt", weights_only=False))
-        except Exception:
-            results.append({"rank": s["rank"], "status": "no_result"})
-    return results
+    remove_tree(exchange)  # every rank's replayed inputs: large, read by nobody now
+    # Results by rank index: the snapshots are one per rank, 0..world-1 (checked above).
+    return load_results(vdir, len(snaps))
 
 
 def release(run_dir: Path) -> list[int]:
     """End the retained snapshots now and free their window copy; returns the
     ranks whose snapshot was still alive."""
-    run_dir = Path(run_dir)
-    _check_run_dir(run_dir)
+    run_dir = RunDir(run_dir).check()
     snaps = retained(run_dir)
     ended = []
     for s in snaps:
         if s["alive"]:
-            orders = run_dir / "retained" / "orders" / f"rank{s['rank']}"
             try:
-                write_json(orders / f"{time.time_ns()}-exit.json", {"op": "exit"})
+                write_json(run_dir.retained_orders(s["rank"]) / f"{time.time_ns()}-exit.json", {"op": "exit"})
             except OSError:
                 pass
             ended.append(s["rank"])
@@ -218,6 +202,6 @@ def release(run_dir: Path) -> list[int]:
                 os.kill(s["pid"], signal.SIGKILL)
             except OSError:
                 pass
-    for sub in ("window", "orders"):
-        shutil.rmtree(run_dir / "retained" / sub, ignore_errors=True)
+    for sub in (run_dir.retained_window, run_dir.retained_orders(0).parent):
+        shutil.rmtree(sub, ignore_errors=True)
     return ended

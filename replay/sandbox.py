@@ -32,23 +32,11 @@ import select
 import struct
 import time
 
+from ..syscall_names import syscall_number
+
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 
-SYS = {  # x86_64
-    "read": 0, "write": 1, "open": 2, "close": 3, "lseek": 8, "pread64": 17, "pwrite64": 18, "readv": 19,
-    "writev": 20, "dup": 32, "dup2": 33, "sendfile": 40, "socket": 41, "connect": 42, "accept": 43,
-    "sendto": 44, "recvfrom": 45, "sendmsg": 46, "recvmsg": 47, "shutdown": 48, "bind": 49, "listen": 50,
-    "setsockopt": 54, "kill": 62, "fcntl": 72, "flock": 73, "fsync": 74, "fdatasync": 75, "truncate": 76,
-    "ftruncate": 77, "rename": 82, "creat": 85, "unlink": 87, "ptrace": 101, "tkill": 200,
-    "epoll_wait": 232, "epoll_ctl": 233, "tgkill": 234, "openat": 257, "unlinkat": 263, "renameat": 264,
-    "splice": 275, "epoll_pwait": 281, "fallocate": 285, "accept4": 288, "dup3": 292, "preadv": 295,
-    "pwritev": 296, "recvmmsg": 299, "sendmmsg": 307, "process_vm_writev": 311, "renameat2": 316,
-    "copy_file_range": 326, "preadv2": 327, "pwritev2": 328, "openat2": 437, "epoll_pwait2": 441,
-    "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297, "pidfd_send_signal": 424, "io_uring_setup": 425,
-    "pidfd_getfd": 438,
-}
-NAME = {v: k for k, v in SYS.items()}
 NETWORK = ("socket", "connect", "bind", "listen", "accept", "accept4", "sendto", "sendmsg", "sendmmsg",
            "shutdown", "setsockopt")
 ON_INHERITED_FD = ("read", "write", "close", "lseek", "pread64", "pwrite64", "readv", "writev", "dup", "dup2",
@@ -60,6 +48,10 @@ ON_INHERITED_FD = ("read", "write", "close", "lseek", "pread64", "pwrite64", "re
 ALWAYS = ("creat", "openat2", "unlink", "unlinkat", "rename", "renameat", "renameat2", "truncate", "kill",
           "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal", "ptrace",
           "process_vm_writev", "sendfile", "splice", "copy_file_range", "pidfd_getfd", "io_uring_setup")
+# Syscall numbers (x86_64, the only ABI the filter admits) of every call it traps.
+SYS = {name: syscall_number(name) for name in NETWORK + ON_INHERITED_FD + ALWAYS + ("open", "openat")}
+NAME = {v: k for k, v in SYS.items()}
+SYS_SECCOMP, SYS_PIDFD_OPEN = syscall_number("seccomp"), syscall_number("pidfd_open")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 # classic BPF
@@ -157,7 +149,7 @@ def install(allowed_fds: set[int]) -> tuple[int, list[int]]:
     prog = _SockFprog(len(code) // 8, ctypes.addressof(buf))
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(NO_NEW_PRIVS)")
-    fd = libc.syscall(317, SECCOMP_SET_MODE_FILTER, FLAG_NEW_LISTENER, ctypes.byref(prog))
+    fd = libc.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, FLAG_NEW_LISTENER, ctypes.byref(prog))
     if fd < 0:
         raise OSError(ctypes.get_errno(), "seccomp(SET_MODE_FILTER)")
     return fd, inherited
@@ -186,11 +178,11 @@ class _AddFd(ctypes.Structure):
 
 
 def grab_listener(child_pid: int, child_fd: int) -> int:
-    pidfd = libc.syscall(434, child_pid, 0)  # pidfd_open
+    pidfd = libc.syscall(SYS_PIDFD_OPEN, child_pid, 0)
     if pidfd < 0:
         raise OSError(ctypes.get_errno(), "pidfd_open")
     try:
-        fd = libc.syscall(438, pidfd, child_fd, 0)  # pidfd_getfd
+        fd = libc.syscall(SYS["pidfd_getfd"], pidfd, child_fd, 0)
         if fd < 0:
             raise OSError(ctypes.get_errno(), "pidfd_getfd")
         return fd
@@ -211,7 +203,7 @@ def _iov_total(pid: int, addr: int, count: int) -> int:
 def supervise(listener: int, child_pid: int, log_path, inherited: list[int]) -> int:
     """Answer trapped calls until the child exits; returns its wait status."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    pidfd = libc.syscall(434, child_pid, 0)
+    pidfd = libc.syscall(SYS_PIDFD_OPEN, child_pid, 0)
     log = open(log_path, "a", buffering=1)
     inherited_set = set(inherited)
     notif, resp = _Notif(), _Resp()

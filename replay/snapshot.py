@@ -19,26 +19,44 @@ tensors copied to host, or cuda-checkpoint) can take its place later.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import glob
 import json
 import math
 import os
 import select
 import signal
+import stat
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
+# Everything a snapshot and its replays run is imported here, when the rank
+# loads this module, never after a fork: importing after a fork loads
+# libraries (ctypes.CDLL), and a lock another thread of the rank held at the
+# fork (the dynamic loader's, during a C++ unwind in a gloo thread) would be
+# held forever in the child.
+from ..rundir import ReplayDir
+from ..runtime.checksum import params_sum
 from ..runtime.control import AGREE_EVERY
+from ..runtime.seam import Rank
+from ..runtime.window import Window, segment_paths
+from . import sandbox, variants
+from .exchange import Exchange, end_for, exchange_path
+from .plan import full_param_sum
+from .state import ReplayState
+from .state_copy import CopyUnusable
 
 PR_SET_PDEATHSIG = 1
 ORPHAN_WAIT_S = float(os.environ.get("WATCHER_ORPHAN_WAIT", "20"))
 # Asks a snapshot for its Python stacks (faulthandler), when it does not answer an order.
 STACK_SIGNAL = signal.SIGRTMIN + 3
 _gomp = None
+_stack_file = None  # in a snapshot: where faulthandler writes its stacks
 
 
 def pause_openmp() -> None:
@@ -115,14 +133,14 @@ class ForkSnapshot:
         self.incident_id = None  # set when a persistent incident keeps it for diagnosis
 
     @classmethod
-    def take(cls, rt, k: int):
-        _preload()
+    def take(cls, rt: Rank, k: int):
+        """Fork the rank at step k.  Returns the snapshot in the rank, None in
+        a replay child woken from it (which goes back into the training loop)."""
         pause_openmp()
         cmd_r, cmd_w = os.pipe()
         resp_r, resp_w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
-        rt._forking_snapshot = True
         t0 = time.perf_counter_ns()
         pid = os.fork()
         if pid == 0:
@@ -137,20 +155,17 @@ class ForkSnapshot:
                 # A snapshot or a replay child that cannot do its job must
                 # never fall back into the training loop unsandboxed.
                 try:
-                    import traceback
-
                     traceback.print_exc()
                 finally:
                     os._exit(70)
             return None
-        rt._forking_snapshot = False
         os.close(cmd_r)
         os.close(resp_w)
         fork_ns = time.perf_counter_ns() - t0
         rt.snap_policy.fork_ns.append(fork_ns)
         return cls(pid, k, cmd_w, resp_r, fork_ns, rt.run_dir, rt.rank, rt.window_dir)
 
-    def replay(self, to_step: int, out_dir: Path, timeout: float = 300.0,
+    def replay(self, to_step: int, out_dir: ReplayDir, timeout: float = 300.0,
                exchange: Path | None = None, variant: dict | None = None, state_copy: int | None = None) -> dict:
         """Re-execute steps step+1..to_step in a sandboxed child; returns how it ended.
         With `exchange` (a directory shared by every rank's replay of this
@@ -159,7 +174,7 @@ class ForkSnapshot:
         `variant` makes it a counterfactual replay (variants.py).  With
         `state_copy` (a step) the replay starts from that step's state copy
         (state_copy.py) instead of the snapshot's own state."""
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.make()
         order = replay_order(self.rank, to_step, out_dir, exchange, timeout, variant)
         order["state_copy"] = state_copy
         t0 = time.monotonic()
@@ -235,40 +250,30 @@ class ForkSnapshot:
         threading.Thread(target=_reap, args=(self.pid,), daemon=True).start()
 
 
-def replay_order(rank: int, to_step: int, out_dir: Path, exchange: Path | None = None, timeout: float = 300.0,
+def replay_order(rank: int, to_step: int, out_dir: ReplayDir, exchange: Path | None = None, timeout: float = 300.0,
                  variant: dict | None = None, reply: Path | None = None) -> dict:
     """The order a snapshot replays by: where the rank's result, log and
     sandbox log go, the exchange directory of a coordinated replay, and
     `reply` (a file the snapshot writes its exit status to) for an orphan."""
     return {"op": "replay", "to_step": to_step,
-            "result": str(out_dir / f"rank{rank}.result.pt"), "log": str(out_dir / f"rank{rank}.replay.log"),
-            "sandbox_log": str(out_dir / f"rank{rank}.sandbox.jsonl"),
+            "result": str(out_dir.result(rank)), "log": str(out_dir.replay_log(rank)),
+            "sandbox_log": str(out_dir.sandbox_log(rank)),
             "exchange": str(exchange) if exchange else None, "exchange_timeout_s": timeout, "variant": variant,
             "reply": str(reply) if reply else None}
-
-
-def _preload() -> None:
-    """Import here, before the fork, what the snapshot and its replays run:
-    importing after a fork loads libraries (ctypes.CDLL), and a lock another
-    thread of the rank held at the fork (the dynamic loader's, during a C++
-    unwind in a gloo thread) would be held forever in the child."""
-    from . import exchange, sandbox, state, variants  # noqa: F401
-    from ..runtime import window  # noqa: F401
 
 
 def _stack_path(window_dir: Path, pid: int) -> Path:
     return Path(window_dir) / f"snapshot-{pid}.stack"
 
 
-def _arm_stack_dump(rt) -> None:
+def _arm_stack_dump(rt: Rank) -> None:
     """In the snapshot: dump every thread's Python stack to a file in the
     window directory on STACK_SIGNAL (a real-time signal, which no launcher
     sends), so a snapshot that never answers can say where it is stuck."""
+    global _stack_file
     try:
-        import faulthandler
-
-        rt._stack_file = open(_stack_path(rt.window_dir, os.getpid()), "w")
-        faulthandler.register(STACK_SIGNAL, file=rt._stack_file, all_threads=True)
+        _stack_file = open(_stack_path(rt.window_dir, os.getpid()), "w")
+        faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True)
     except Exception:
         pass  # a snapshot without this still serves replays
 
@@ -308,7 +313,7 @@ def _read_reply(fd: int, timeout: float) -> dict:
 
 # -- inside the snapshot process ---------------------------------------------------------------
 
-def _serve(rt, k: int, cmd_r: int, resp_w: int):
+def _serve(rt: Rank, k: int, cmd_r: int, resp_w: int):
     """The frozen snapshot: wait for orders; return only inside a replay child.
 
     Orders come over the pipe from the rank.  Once the rank is gone (EOF) the
@@ -316,14 +321,12 @@ def _serve(rt, k: int, cmd_r: int, resp_w: int):
     once, so its peers see it close, and takes orders from files instead: a
     crash replay from `watcher run` within a short wait, or, if the rank asked
     to retain it, `watcher diagnose` orders until the retention deadline."""
-    rt.disabled = True  # no hook runs here
+    rt.go_quiet()  # no hook runs here
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         try:
             signal.signal(sig, signal.SIG_IGN)
         except (ValueError, OSError):
             pass
-    from . import sandbox
-
     f = os.fdopen(cmd_r, "rb", buffering=0)
     pending = b""
     retained = None
@@ -362,14 +365,12 @@ def _serve(rt, k: int, cmd_r: int, resp_w: int):
             return order, listener_w
         os.close(listener_w)
         _reply(resp_w, {"pid": pid})
-        status = _supervise(sandbox, pid, listener_r, order)
+        status = _supervise(pid, listener_r, order)
         os.close(listener_r)
         code = os.waitstatus_to_exitcode(status) if status is not None else None
         if order.get("exchange"):
             # A replay killed by a signal said nothing to its peers: say it
             # for it, so no peer waits out its timeout for inputs never coming.
-            from .exchange import end_for
-
             end_for(order["exchange"], rt.rank, f"exit {code}")
         _reply(resp_w, {"status": status, "exit_code": code})
         if order.get("reply"):  # an orphan's order: nobody reads the pipe any more
@@ -388,8 +389,6 @@ def _drop_shared_endpoints(keep: set) -> None:
     Each one is replaced by /dev/null under the same number, so code replayed
     from this snapshot still finds its descriptors where it left them (and the
     sandbox still traps every use of them)."""
-    import stat
-
     null = os.open(os.devnull, os.O_RDWR)
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
@@ -412,7 +411,7 @@ def _reply(fd: int, msg: dict) -> None:
         pass
 
 
-def _supervise(sandbox, pid: int, listener_r: int, order: dict):
+def _supervise(pid: int, listener_r: int, order: dict):
     raw = b""
     while not raw.endswith(b"\n"):
         chunk = os.read(listener_r, 64)
@@ -434,7 +433,7 @@ def _supervise(sandbox, pid: int, listener_r: int, order: dict):
 class _Orphan:
     """A snapshot whose rank is gone, taking orders from files."""
 
-    def __init__(self, rt, k: int, retained: dict | None):
+    def __init__(self, rt: Rank, k: int, retained: dict | None):
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
@@ -452,7 +451,7 @@ class _Orphan:
                 f.write(f"watcher-snap-r{rt.rank}"[:15])
         except OSError:
             pass
-        self.crash_order = rt.dir / f"crash_replay.rank{rt.rank}.step{k}.json"
+        self.crash_order = rt.rundir.crash_order(rt.rank, k)
         # Without retention only a crash replay can come, and soon.
         wait = retained["until"] - time.time() if retained else ORPHAN_WAIT_S
         self.deadline = time.monotonic() + wait
@@ -476,8 +475,6 @@ class _Orphan:
         """The window copy served only this snapshot: remove it on the way out."""
         if not self.retained:
             return
-        from ..runtime.window import segment_paths
-
         for p in segment_paths(Path(self.retained["window_dir"]), self.rt.rank, self.k):
             try:
                 os.unlink(p)
@@ -487,11 +484,7 @@ class _Orphan:
 
 # -- inside the replay child ------------------------------------------------------------------------
 
-def _enter_replay(rt, order: dict, listener_w: int) -> None:
-    from ..runtime.window import Window, segment_paths
-    from .state import ReplayState
-    from . import sandbox
-
+def _enter_replay(rt: Rank, order: dict, listener_w: int) -> None:
     t_fork = time.monotonic_ns()
     libc = ctypes.CDLL(None)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -506,8 +499,6 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
     state = ReplayState(rt, window, order, result)
     allowed = {result.fileno(), 1, 2, log_fd, listener_w}
     if order.get("exchange"):
-        from .exchange import Exchange, exchange_path
-
         xfd = os.open(exchange_path(order["exchange"], rt.rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         state.exchange = Exchange(Path(order["exchange"]), rt.rank, rt.world, xfd)
         allowed.add(xfd)
@@ -520,23 +511,15 @@ def _enter_replay(rt, order: dict, listener_w: int) -> None:
     state.setup_ms.update(window_load=round((t_window - t_fork) / 1e6, 1),
                           sandbox=round((time.monotonic_ns() - t_window) / 1e6, 1))
     if state.variant:
-        from . import variants
-
         variants.setup(rt, state, state.variant)
-    rt.replay = state
-    rt.mode = "replay"
-    rt.disabled = False
+    rt.enter_replay(state)
     sys.excepthook = state.on_exception
     threading.excepthook = lambda a: state.on_exception(a.exc_type, a.exc_value, a.exc_traceback)
 
 
-def _load_copy(rt, state, window, step: int) -> None:
+def _load_copy(rt: Rank, state, window, step: int) -> None:
     """Move this replay child from the snapshot's step to a later state copy,
     and check the copy against the parameter checksum recorded at that step."""
-    from ..runtime.checksum import params_sum
-    from .coordinator import full_param_sum
-    from .state_copy import CopyUnusable
-
     t0 = time.monotonic_ns()
     try:
         if rt.copies is None:

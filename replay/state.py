@@ -21,10 +21,13 @@ import traceback
 import torch
 
 from ..runtime.checksum import tensors_sum
-from ..runtime.collectives import _done_work
+from ..runtime.collectives import computed_in_replay, done_work
+from ..runtime.seam import Rank
 from ..runtime.window import END_OF_DATA
-from .exchange import REDUCED, PeerEnded, compute_outputs
+from . import variants
+from .exchange import PeerEnded, compute_outputs
 from .merge import training_state
+from .optrace import untraced
 
 COMPARED = ("loss", "grad_norm", "param_sum", "batch_sum", "rng")
 
@@ -36,7 +39,7 @@ def same_value(a, b) -> bool:
 
 
 class ReplayState:
-    def __init__(self, rt, window, order: dict, result_file):
+    def __init__(self, rt: Rank, window, order: dict, result_file):
         self.rank = rt.rank
         self.window = window
         self.to_step = order["to_step"]
@@ -60,8 +63,6 @@ class ReplayState:
         """Around Watcher's own work while the op trace of a counterfactual runs."""
         if self.tracer is None:
             return contextlib.nullcontext()
-        from .optrace import untraced
-
         return untraced()
 
     def batch(self, idx, it, orig):
@@ -71,8 +72,6 @@ class ReplayState:
         if isinstance(b, str) and b == END_OF_DATA:
             raise StopIteration
         if self.variant:
-            from . import variants
-
             with self.untraced():
                 b = variants.batch(self.rt, self, self.variant, idx, b)
         return b
@@ -96,13 +95,14 @@ class ReplayState:
         self.colls.append(entry)
         where = "compute" if ok is False else None
         recorded = self.window.outputs.get(key)  # None: only the checksum was kept
-        if self.exchange is not None and meta["op"] in REDUCED:
+        if self.exchange is not None and computed_in_replay(meta):
             try:
                 got = self.exchange.gather(key, {"in_match": ok, "ins": [t.detach() for t in ins]},
                                            members, self.exchange_timeout_s)
             except PeerEnded as e:
                 self.finish("peer_ended", str(e))
-            compute_outputs(meta, [g["ins"] for g in got], outs, len(members))
+            if not compute_outputs(meta, [g["ins"] for g in got], outs, members.index(self.rank)):
+                self.finish("needs_peers", f"collective {key} ({meta['op']}) cannot be computed in a replay")
             if self.variant:  # where non-finite values crossed ranks, for a causal chain
                 entry["in_nonfinite"] = any(bool((~torch.isfinite(t)).any()) for t in ins if t.is_floating_point())
                 entry["out_nonfinite"] = any(bool((~torch.isfinite(t)).any()) for t in outs if t.is_floating_point())
@@ -125,13 +125,13 @@ class ReplayState:
             self.first_divergence = {"rank": self.rank, "step": meta["step"],
                                      "collective": {"group": key[0], "seq": key[1], "op": meta["op"]},
                                      "where": where}
-        return _done_work(outs)
+        return done_work(outs)
 
     def _unrecorded(self, meta: dict) -> bool:
         """Is this a reduction of the step after the last one the record
         holds, replayed with every rank (a crash replay reaching the step the
         rank died in)?  Its record, written at step end, never came."""
-        return (self.exchange is not None and meta["op"] in REDUCED
+        return (self.exchange is not None and computed_in_replay(meta)
                 and meta["step"] > max(self.window.steps, default=self.from_step))
 
     def step_end(self, rt, fp: dict) -> None:

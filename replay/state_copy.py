@@ -34,6 +34,8 @@ import time
 import torch
 
 from ..runtime.control import AGREE_EVERY
+from ..runtime.seam import Rank
+from ..runtime.training import optimizer_params, scan_training_objects
 from ..runtime.wordsum import LIB
 
 SLOTS = 2
@@ -48,12 +50,12 @@ class CopyUnusable(Exception):
     """This copy cannot be loaded into this process (its tensors differ)."""
 
 
-def _tensors(rt) -> list:
+def _tensors(rt: Rank) -> list:
     """Every tensor a step changes, in an order both forks of a process agree
     on: parameters, their optimizer state (in the state dict's own order), and
     the buffers of the modules holding them."""
     opt = rt.main_opt
-    params = [p for g in opt.param_groups for p in g["params"]]
+    params = optimizer_params(opt)
     tensors = list(params)
     state = opt.state
     for p in params:
@@ -65,10 +67,10 @@ def _tensors(rt) -> list:
     return tensors
 
 
-def _describe(rt, tensors: list) -> list:
+def _describe(rt: Rank, tensors: list) -> list:
     """What each tensor is and holds, for the other side to check it holds the same."""
     opt = rt.main_opt
-    params = [p for g in opt.param_groups for p in g["params"]]
+    params = optimizer_params(opt)
     names = [("param", i) for i in range(len(params))]
     for i, p in enumerate(params):
         names.extend(("opt", i, k) for k, v in (opt.state.get(p) or {}).items() if isinstance(v, torch.Tensor))
@@ -77,14 +79,14 @@ def _describe(rt, tensors: list) -> list:
     return [n + (str(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in zip(names, tensors)]
 
 
-def _python_state(rt, schedulers: list, other: list) -> dict:
+def _python_state(rt: Rank, schedulers: list, other: list) -> dict:
     """The non-tensor part, small enough to pickle at every copy.  `other`:
     (parameter index, key) of the optimizer state that is not a tensor."""
     opt = rt.main_opt
-    params = [p for g in opt.param_groups for p in g["params"]] if other else ()
+    params = optimizer_params(opt) if other else ()
     hyper = [{k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
               for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"step": rt.step, "fetch_idx": rt.fetch_idx, "seqs": [g.seq for g in rt.groups],
+    return {**rt.counters(),
             "rng": torch.get_rng_state().numpy().tobytes(), "hyper": hyper,
             "opt_other": [(i, k, opt.state[params[i]].get(k)) for i, k in other],
             "schedulers": [s.state_dict() for s in schedulers]}
@@ -93,7 +95,7 @@ def _python_state(rt, schedulers: list, other: list) -> dict:
 class StateCopies:
     """The shared slots, made in the live rank before its first fork snapshot."""
 
-    def __init__(self, rt):
+    def __init__(self, rt: Rank):
         tensors = _tensors(rt)
         need = sum(t.numel() * t.element_size() for t in tensors)
         self.capacity = int(need * 1.25) + (1 << 20)  # room for state created later (a new param's moments)
@@ -108,13 +110,10 @@ class StateCopies:
         for s in range(SLOTS):
             self._header(s, -1, 0, 0)
         # LR schedulers hold counters a copy must carry; the runtime found
-        # them in its one scan of every object (merge.scan_training_objects).
-        self.schedulers = getattr(rt, "schedulers", None)
+        # them in its one scan of every object (runtime/training.py).
+        self.schedulers = rt.schedulers
         if self.schedulers is None:
-            from .merge import scan_training_objects
-
-            params = [p for g in rt.main_opt.param_groups for p in g["params"]]
-            self.schedulers = scan_training_objects(params, rt.main_opt)[1]
+            self.schedulers = scan_training_objects(optimizer_params(rt.main_opt), rt.main_opt)[1]
         self.steps = [-1] * SLOTS      # what each slot holds, as the live rank wrote it
         self.next_slot = 0
         self.cost_ns: list[int] = []
@@ -158,7 +157,7 @@ class StateCopies:
         self._ptrs = (ctypes.c_uint64 * len(key))(*(p for p, _ in key))
         self._sizes = (ctypes.c_uint64 * len(key))(*(d[-1] for d in self._desc))
         opt = rt.main_opt
-        params = [p for g in opt.param_groups for p in g["params"]]
+        params = optimizer_params(opt)
         self._other = [(i, k) for i, p in enumerate(params) for k, v in (opt.state.get(p) or {}).items()
                        if not isinstance(v, torch.Tensor)]
         return True
@@ -206,7 +205,7 @@ class StateCopies:
 
     # -- in a replay child (a fork of the rank that made the slots) ---------------------------
     @torch.no_grad()
-    def load(self, rt, step: int) -> None:
+    def load(self, rt: Rank, step: int) -> None:
         """Overwrite this process's training state with the copy of `step`."""
         for slot in range(SLOTS):
             base = slot * self.slot_bytes
@@ -230,7 +229,7 @@ class StateCopies:
             t.view(-1).view(torch.uint8).copy_(buf[off:off + n])
             off += n
         opt = rt.main_opt
-        params = [p for g in opt.param_groups for p in g["params"]]
+        params = optimizer_params(opt)
         for i, k, v in py["opt_other"]:
             opt.state[params[i]][k] = v
         for g, hyper in zip(opt.param_groups, py["hyper"]):
@@ -241,11 +240,8 @@ class StateCopies:
                     g[k] = v
         for s, sd in zip(self.schedulers, py["schedulers"]):
             s.load_state_dict(sd)
-        for g, seq in zip(rt.groups, py["seqs"]):
-            g.seq = seq
         torch.set_rng_state(torch.frombuffer(bytearray(py["rng"]), dtype=torch.uint8))
-        rt.step = py["step"]
-        rt.fetch_idx = py["fetch_idx"]
+        rt.restore_counters({k: py[k] for k in ("step", "fetch_idx", "seqs")})
 
 
 class CopyPolicy:
@@ -259,7 +255,7 @@ class CopyPolicy:
         self.interval = self.forced or 2
         self._seen = 0  # copies.n_costs when the interval was last worked out
 
-    def due(self, k: int, rt, copies: StateCopies) -> bool:
+    def due(self, k: int, rt: Rank, copies: StateCopies) -> bool:
         # Worked out again only when a copy's cost came in, or every
         # AGREE_EVERY steps (a peer's wish may have grown): not every step.
         fresh = copies.n_costs != self._seen or k % AGREE_EVERY == 0

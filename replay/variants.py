@@ -22,11 +22,18 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..runtime.samples import batch_size, fields, map_fields, row_digests, without_rows
+from ..runtime.seam import Rank
+from ..runtime.training import optimizer_params
+from .optrace import OpTrace
 
 EXTREME_NORM = 100.0  # a sample this many times the batch's median norm is anomalous
 
 
-def setup(rt, state, variant: dict) -> None:
+def setup(rt: Rank, state, variant: dict) -> None:
     """Before the replayed steps run (the sandbox is up; nothing here needs it down)."""
     cpus = (variant.get("cpus") or {}).get(str(rt.rank))
     if cpus:
@@ -52,17 +59,13 @@ def setup(rt, state, variant: dict) -> None:
 
         def clip(o, args, kwargs):
             if o is opt:
-                torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], limit)
+                torch.nn.utils.clip_grad_norm_(optimizer_params(o), limit)
         hooks.append(clip)
     if hooks:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         # Registered after any the program made, so they see its final word.
         for h in hooks:
             register_optimizer_step_pre_hook(h)
     if variant.get("trace"):
-        from .optrace import OpTrace
-
         k = int(variant["trace"]["failing_step"])
         current = lambda: rt.step + 1  # the step being run
         tracer = OpTrace(current, lambda: k - 1 <= current() <= k,
@@ -72,7 +75,7 @@ def setup(rt, state, variant: dict) -> None:
         state.tracer = tracer
 
 
-def batch(rt, state, variant: dict, idx: int, b):
+def batch(rt: Rank, state, variant: dict, idx: int, b):
     """The batch step rt.step + 1 trains on, under the variant."""
     step, window = rt.step + 1, state.window.batches
     trace = variant.get("trace")
@@ -87,9 +90,9 @@ def batch(rt, state, variant: dict, idx: int, b):
         other = idx - 1 if (idx - 1) in window else idx + 1
         if other in window and not isinstance(window[other], str):
             state.extra["swapped"] = {"step": step, "batch_index": idx, "with_batch_index": other}
-            b = _map(window[other], lambda t: t.clone())
+            b = map_fields(window[other], lambda t: t.clone())
     if variant.get("float64"):
-        b = _map(b, lambda t: t.double() if t.is_floating_point() else t)
+        b = map_fields(b, lambda t: t.double() if t.is_floating_point() else t)
     drop = variant.get("drop_rows")
     rows = (drop or {}).get("rows", {}).get(str(rt.rank)) if drop and step == drop["step"] else None
     if rows:
@@ -98,7 +101,7 @@ def batch(rt, state, variant: dict, idx: int, b):
     return b
 
 
-def to_float64(rt, opt) -> None:
+def to_float64(rt: Rank, opt) -> None:
     """The model and its optimizer in double precision, in place: the
     Parameter objects stay the ones the optimizer and DDP hold."""
     for m in (rt.modules or {}).values():
@@ -114,7 +117,6 @@ def _average_gradients(opt):
     replaced, so replicas would train on their own gradients: average them
     here, in one collective.  Gradients that are already averaged (DDP did
     it, or the program's own all_reduce) come out the same."""
-    import torch.distributed as dist
 
     def average(o, args, kwargs):
         if o is not opt:
@@ -130,58 +132,7 @@ def _average_gradients(opt):
     return average
 
 
-def _map(b, fn):
-    if isinstance(b, torch.Tensor):
-        return fn(b)
-    if isinstance(b, (list, tuple)):
-        return type(b)(_map(x, fn) for x in b)
-    if isinstance(b, dict):
-        return {k: _map(v, fn) for k, v in b.items()}
-    return b
-
-
-def _fields(b, prefix=""):
-    if isinstance(b, torch.Tensor):
-        yield prefix or "0", b
-    elif isinstance(b, (list, tuple)):
-        for i, x in enumerate(b):
-            yield from _fields(x, f"{prefix}{i}" if not prefix else f"{prefix}.{i}")
-    elif isinstance(b, dict):
-        for k, x in b.items():
-            yield from _fields(x, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
-
-
-def row_digests(b) -> list[int]:
-    """One digest per sample (row along dim 0 of every field of the batch's
-    size), over the raw bits: the same sample met again, in another epoch or
-    on another rank, has the same digest."""
-    n = batch_size(b)
-    out = [0] * n
-    for _, t in _fields(b):
-        if not t.dim() or t.shape[0] != n or t.numel() == 0:
-            continue
-        rows = t.detach().reshape(n, -1).contiguous()
-        if rows.dtype == torch.bool:
-            rows = rows.view(torch.uint8)
-        words = rows.view(torch.int32) if rows.element_size() in (4, 8) else rows.view(torch.uint8).to(torch.int32)
-        sums = words.to(torch.int64).sum(dim=1).tolist()
-        out = [(d * 1000003 + s * 31 + words.shape[1]) & ((1 << 63) - 1) for d, s in zip(out, sums)]
-    return out
-
-
-def without_rows(b, rows):
-    """The batch with those samples removed."""
-    n = batch_size(b)
-    keep = torch.tensor([i for i in range(n) if i not in set(rows)], dtype=torch.long)
-    return _map(b, lambda t: t.index_select(0, keep) if t.dim() and t.shape[0] == n else t)
-
-
-def batch_size(b) -> int:
-    sizes = [t.shape[0] for _, t in _fields(b) if t.dim()]
-    return max(set(sizes), key=sizes.count) if sizes else 0
-
-
-def embedding_sizes(rt) -> list[int]:
+def embedding_sizes(rt: Rank) -> list[int]:
     return sorted({m.num_embeddings for m in (rt.modules or {}).values() if isinstance(m, torch.nn.Embedding)})
 
 
@@ -191,7 +142,7 @@ def anomalies(b, vocab: list[int]) -> list[dict]:
     EXTREME_NORM times the batch median."""
     n = batch_size(b)
     found = []
-    for name, t in _fields(b):
+    for name, t in fields(b):
         if not t.dim() or t.shape[0] != n or t.numel() == 0:
             continue
         rows = t.detach().reshape(n, -1)

@@ -34,7 +34,7 @@ GOAL = 20.0
 def once(tmp: Path, name: str, steps: int, fault_step: int, every: int, repeats: int) -> dict:
     from watcher.demo import reference_command
     from watcher.drill import BY_NAME
-    from watcher.replay.coordinator import read_steps
+    from watcher.rundir import read_steps
     from watcher.replay.rediagnose import rediagnose, release
     from watcher.run import RunConfig, run
 

@@ -57,7 +57,7 @@ def watcher_once(tmp: Path, steps: int, fault_step: int, interval: int | None) -
                         snapshot_interval=interval, quiet=True))
     wall = time.monotonic() - t0
     inc = res.incidents[0]
-    from watcher.replay.coordinator import read_steps
+    from watcher.rundir import read_steps
 
     steps0 = read_steps(out, 0)
     resumed = inc["resumed_at_step"]

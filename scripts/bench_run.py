@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_recorder import print_table, read_steps, window_median_ms  # noqa: E402
 
-from watcher.replay.coordinator import read_steps  # noqa: E402
+from watcher.rundir import read_steps  # noqa: E402
 from watcher.run import POLICIES  # noqa: E402
 
 WARMUP = 10

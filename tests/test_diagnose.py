@@ -22,6 +22,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from watcher.replay.snapshot import ForkSnapshot
+from watcher.rundir import RunDir, write_json
+
 from .conftest import ROOT, needs_bpf, query, watcher
 
 PERSISTENT = ("bad_batch", "bad_op", "fp32_overflow", "lr_spike", "bad_cores", "skip_batch", "adjust_lr")
@@ -296,8 +299,8 @@ def test_release_ends_the_snapshots_and_the_report_needs_only_the_recording(dril
 
 def _fake_rank(tmp_path: Path):
     """What a snapshot reads from its rank's runtime, for a snapshot of this test process."""
-    return SimpleNamespace(dir=tmp_path, run_dir=tmp_path, window_dir=tmp_path, rank=0, disabled=False,
-                           _forking_snapshot=False, snap_policy=SimpleNamespace(fork_ns=[]))
+    return SimpleNamespace(rundir=RunDir(tmp_path), run_dir=tmp_path, window_dir=tmp_path, rank=0,
+                           go_quiet=lambda: None, snap_policy=SimpleNamespace(fork_ns=[]))
 
 
 def _wait_exit(pid: int, within: float) -> int | None:
@@ -311,9 +314,6 @@ def _wait_exit(pid: int, within: float) -> int | None:
 
 
 def test_a_retained_snapshot_ends_at_its_deadline_or_on_an_exit_order(tmp_path):
-    from watcher.replay.snapshot import ForkSnapshot
-    from watcher.runtime.control import write_json
-
     window, orders = tmp_path / "window", tmp_path / "orders"
     window.mkdir()
     orders.mkdir()

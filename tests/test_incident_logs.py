@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from watcher.replay.coordinator import read_steps
+from watcher.rundir import read_steps
 
 
 def write_log(run_dir, steps: int) -> None:

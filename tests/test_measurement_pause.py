@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from watcher.replay.coordinator import read_steps
+from watcher.rundir import read_steps
 
 from .conftest import ROOT, needs_bpf, query
 

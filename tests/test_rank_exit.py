@@ -15,7 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from watcher.replay.coordinator import read_colls
+from watcher.rundir import read_colls
 
 from .conftest import ROOT
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from watcher.replay.coordinator import read_steps
+from watcher.rundir import read_steps
 
 from .conftest import ROOT, needs_bpf, query, watcher
 

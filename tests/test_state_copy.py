@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from watcher.replay.merge import modules_holding
+from watcher.runtime.training import modules_holding
 from watcher.replay.state_copy import CopyPolicy, CopyUnusable, StateCopies
 from watcher.runtime.control import AGREE_EVERY
 
@@ -24,9 +24,24 @@ def make_job(seed: int = 0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     params = [p for g in opt.param_groups for p in g["params"]]
-    rt = types.SimpleNamespace(main_opt=opt, modules=modules_holding(params), step=-1, fetch_idx=0,
-                               groups=[types.SimpleNamespace(seq=0)])
+    rt = FakeRank(opt, modules_holding(params))
     return model, opt, sched, rt
+
+
+class FakeRank:
+    """What state copies read of a rank and ask of it (runtime/seam.py)."""
+
+    def __init__(self, opt, modules):
+        self.main_opt, self.modules, self.schedulers = opt, modules, None
+        self.step, self.fetch_idx, self.groups = -1, 0, [types.SimpleNamespace(seq=0)]
+
+    def counters(self) -> dict:
+        return {"step": self.step, "fetch_idx": self.fetch_idx, "seqs": [g.seq for g in self.groups]}
+
+    def restore_counters(self, counters: dict) -> None:
+        self.step, self.fetch_idx = counters["step"], counters["fetch_idx"]
+        for g, seq in zip(self.groups, counters["seqs"]):
+            g.seq = seq
 
 
 def train(model, opt, sched, rt, n: int) -> None:

@@ -16,7 +16,10 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+from .procfs import in_root, mapped_files
+from .python_frames import LIBPYTHON, interpreter
 from .spec import LibrarySpec, ResolvedProbe, resolve
+from .tensor_layout import cached_layout, layout_for
 
 
 LOADER = re.compile(r"^ld-linux.*\.so")
@@ -36,35 +39,6 @@ def _file_key(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino
-
-
-def in_root(pid: int, path: str) -> str:
-    """`pid`'s file at `path`, as this process can open it.  A process in a
-    container (its own mount namespace) maps its own copies: the path names
-    them only inside its root, so they are read and probed through
-    /proc/PID/root, never as whatever this side has at that path."""
-    via = f"/proc/{pid}/root{path}"
-    try:
-        os.stat(via)
-        return via
-    except OSError:  # the process is gone, or /proc/PID/root is not ours to follow
-        return path
-
-
-def mapped_files(pid: int) -> dict[str, str] | None:
-    """File -> start address of its first mapping, for every file `pid` maps;
-    None if the process is gone.  A rank maps thousands of regions: one read
-    per scan serves both the library probes and the interpreter lookup."""
-    out: dict[str, str] = {}
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].startswith("/"):
-                    out.setdefault(parts[5].rstrip("\n"), parts[0].split("-", 1)[0])
-    except OSError:
-        return None
-    return out
 
 
 @dataclass
@@ -118,8 +92,6 @@ class LibraryProber:
         is mapped: an exec (a new image, or the same one moved by ASLR)
         makes the pid be looked at afresh, and a process whose libpython is
         not mapped yet (just exec'd) is looked at again on the next scan."""
-        from .python_frames import LIBPYTHON, interpreter
-
         # interpreter file -> where its first mapping starts
         where = tuple(sorted((path, start) for path, start in maps.items() if LIBPYTHON.search(path))) or None
         key = (pid, where)
@@ -160,7 +132,7 @@ class LibraryProber:
 
     def _attach_library(self, lib: LibrarySpec, path: str, via: str | None = None) -> list[str]:
         """Probe `lib` in the file the process maps at `path`, reached here as
-        `via` (see in_root); rows and messages name `path`."""
+        `via` (see procfs.in_root); rows and messages name `path`."""
         via = via or path
         found, missing = resolve(lib, path, read_from=via)
         warnings = list(missing)
@@ -169,8 +141,6 @@ class LibraryProber:
         tensor_slots: list[int] = []
         wants_layout = any(p.spec.deref and p.spec.deref.type == "tensor_vector" for p in found)
         if wants_layout:
-            from .tensor_layout import cached_layout
-
             layout = cached_layout(via)
             if layout is not None:
                 self.tensor_layouts[path] = layout
@@ -216,8 +186,6 @@ class LibraryProber:
         return warnings
 
     def _measure_layout(self, path: str, via: str, slots: list[int]) -> None:
-        from .tensor_layout import layout_for
-
         layout = layout_for(via)
         if layout is None:
             self.warnings.append(f"tensor layout of {path} not measurable with this watcher's torch: "

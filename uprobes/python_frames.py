@@ -34,6 +34,7 @@ import struct
 
 from ..bpf.events import PY_FRAMES
 from .elf_symbols import NotAnElf, defined_symbols
+from .procfs import in_root
 
 SUPPORTED = (3, 11)
 FRAMES = PY_FRAMES   # frames kept per call, innermost first (bpf/events.h)
@@ -76,7 +77,6 @@ def interpreter(pid: int) -> tuple[int | None, str]:
         if len(parts) == 6 and LIBPYTHON.search(parts[5]):
             start = int(parts[0].split("-")[0], 16)
             files.setdefault(parts[5], []).append((start, int(parts[2], 16)))
-    from .attach import in_root
 
     for path, ranges in files.items():
         try:

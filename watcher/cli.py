@@ -17,6 +17,10 @@ import typer
 
 from .errors import UsageError, WatcherError
 
+# Imports inside functions: each command imports the modules it runs inside its
+# own function, not here: `watcher --help`, `watcher sql` and the other
+# read-only commands then start fast and load neither bcc (recording) nor
+# torch (replay, `watcher diagnose`).
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -145,8 +149,6 @@ def analyze(
     format: str = typer.Option("text", "--format", "-f", help="text or json."),
 ):
     """Which rank, stuck or dead where, in which collective, and who never arrived."""
-    import json
-
     from .analysis.incidents import analyze_crash, analyze_hang, render_text
     from .store import Recordings
 
@@ -273,24 +275,26 @@ def run(
                     copy_interval=copy_interval, detect=parse_detect(detect), replay_check=replay_check, retain_s=retain)
     result = run_job(cfg)
     print(f"Run directory {result.out}: {result.steps} steps recorded, {len(result.incidents)} incident(s). "
-          f"Query: watcher sql {result.out / 'recording.duckdb'} \"SELECT * FROM step\"", file=sys.stderr)
+          f"Query: watcher sql {result.recording} \"SELECT * FROM step\"", file=sys.stderr)
     raise typer.Exit(result.exit_code)
 
 
 @app.command(epilog="Examples:\n\n  sudo watcher drill\n\n  sudo watcher drill --scenario grad_bitflip\n\n"
-                    "  sudo watcher drill --scenario all --json drills.json")
+                    "  sudo watcher drill --scenario all --json drills.json\n\n"
+                    "  sudo watcher drill --ranks 4 --scenario grad_bitflip,bad_op")
 def drill(
     scenario: str = typer.Option("all", help="Scenario name, or all."),
     steps: int = typer.Option(24, help="Steps of the reference workload per run."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Directory for the runs (created)."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write the scorecard as JSON here."),
     retain: float = typer.Option(15.0, min=0, max=86400, help="Seconds a persistent scenario's snapshots outlive its run (watcher diagnose DIR/SCENARIO)."),
+    ranks: int = typer.Option(2, help="Ranks of the reference workload (faults are injected on rank 1)."),
 ):
     """Inject faults into the reference workload and score detection, localisation and verdict."""
     from .drill import run_drills
 
     raise typer.Exit(run_drills(scenario, steps, Path(out) if out else Path(f"watcher-drill-{time.strftime('%Y%m%d-%H%M%S')}"),
-                                Path(json_out) if json_out else None, retain))
+                                Path(json_out) if json_out else None, retain, ranks))
 
 
 @app.command()

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import __version__, schema
 from .bpf.events import PROC_DLOPEN, PROC_EXEC, RING_NAMES
+from .library_calls import LibraryCallWriter
 from .process_model import ProcessModel
 from .store import RecordingWriter
 from .syscall_names import syscall_name
@@ -81,8 +82,6 @@ class Collector:
         self.on_warning = None
         self.library_calls = None
         if getattr(recorder, "prober", None) is not None:
-            from .library_calls import LibraryCallWriter
-
             self.library_calls = LibraryCallWriter(recorder.prober, self.model, writer)
 
     # -- meta ----------------------------------------------------------------

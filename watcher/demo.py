@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .query import format_rows, summarise
+from .run import RunConfig, run
 from .store import Recordings
 
 SAMPLE_QUERY = """\
@@ -23,11 +24,9 @@ def reference_command(steps: int, nproc: int = 2) -> list[str]:
 
 
 def run_demo(steps: int, out: Path) -> int:
-    from .run import RunConfig, run
-
     result = run(RunConfig(cmd=reference_command(steps), out=out, policy="observe",
                            replay_check=max(steps - 3, 1)))
-    rec = result.out / "recording.duckdb"
+    rec = result.recording
     with Recordings([rec]) as recs:
         print(summarise(recs))
         print("Per rank, from the runtime's step capture:\n")

@@ -21,6 +21,7 @@ from pathlib import Path
 from .demo import reference_command
 from .errors import UsageError
 from .run import RunConfig, run
+from .rundir import read_steps
 
 FAULT_STEP = 12
 FAULT_RANK = 1
@@ -90,8 +91,8 @@ def _final_sha(run_dir: Path) -> str | None:
     return p.read_text().strip() if p.exists() else None
 
 
-def _job(steps: int, run_dir: Path) -> list[str]:
-    return reference_command(steps) + [f"--save={run_dir / 'final.pt'}"]
+def _job(steps: int, run_dir: Path, ranks: int = 2) -> list[str]:
+    return reference_command(steps, ranks) + [f"--save={run_dir / 'final.pt'}"]
 
 
 def score(s: Scenario, incidents: list[dict]) -> dict:
@@ -168,23 +169,24 @@ def names_cause(s: Scenario, pre: dict) -> bool:
 
 
 def _final_loss(run_dir: Path) -> float | None:
-    from .replay.coordinator import read_steps
-
     steps = read_steps(run_dir, 0)
     return steps[max(steps)].get("loss") if steps else None
 
 
-def run_drills(which: str, steps: int, out: Path, json_out: Path | None, retain_s: float = RETAIN_S) -> int:
+def run_drills(which: str, steps: int, out: Path, json_out: Path | None, retain_s: float = RETAIN_S,
+               ranks: int = 2) -> int:
     names = [s.name for s in SCENARIOS] if which == "all" else which.split(",")
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise UsageError(f"unknown scenario {unknown[0]!r}; choose from all, {', '.join(BY_NAME)}")
+    if ranks < 2:
+        raise UsageError("--ranks must be at least 2 (the faults are injected on rank 1)")
     if steps < MIN_STEPS:
         raise UsageError(f"--steps must be at least {MIN_STEPS} (faults fire at steps {FAULT_STEP} and {SECOND_STEP})")
     out.mkdir(parents=True, exist_ok=False)
     base_dir = out / "baseline"
-    print(f"drill: fault-free baseline ({steps} steps)", file=sys.stderr, flush=True)
-    base = run(RunConfig(cmd=_job(steps, base_dir), out=base_dir, policy="observe", snapshot_interval=4, quiet=True))
+    print(f"drill: fault-free baseline ({steps} steps, {ranks} ranks)", file=sys.stderr, flush=True)
+    base = run(RunConfig(cmd=_job(steps, base_dir, ranks), out=base_dir, policy="observe", snapshot_interval=4, quiet=True))
     rows = []
     for name in names:
         s = BY_NAME[name]
@@ -192,7 +194,7 @@ def run_drills(which: str, steps: int, out: Path, json_out: Path | None, retain_
         run_dir = out / name
         print(f"drill: {name}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        res = run(RunConfig(cmd=_job(steps, run_dir), out=run_dir, policy=s.policy, snapshot_interval=4,
+        res = run(RunConfig(cmd=_job(steps, run_dir, ranks), out=run_dir, policy=s.policy, snapshot_interval=4,
                             detect=s.detect, inject=inject, retain_s=retain_s, quiet=True))
         row = score(s, res.incidents)
         row["wall_s"] = round(time.monotonic() - t0, 1)
@@ -209,7 +211,7 @@ def run_drills(which: str, steps: int, out: Path, json_out: Path | None, retain_
         rows.append(row)
     _print(rows)
     if json_out:
-        json_out.write_text(json.dumps({"baseline_steps": base.steps, "scenarios": rows}, indent=1))
+        json_out.write_text(json.dumps({"baseline_steps": base.steps, "ranks": ranks, "scenarios": rows}, indent=1))
     return 0 if all(r["pass"] for r in rows) else 1
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .bpf.events import PROC_EXEC, PROC_EXIT, PROC_FORK, PROC_REAP, PROC_THREAD
+
 
 @dataclass
 class ProcessRow:
@@ -175,8 +177,6 @@ class ProcessModel:
 
     # -- lifecycle events ---------------------------------------------------
     def apply_proc_events(self, ev: np.ndarray) -> None:
-        from .bpf.events import PROC_EXEC, PROC_EXIT, PROC_FORK, PROC_REAP, PROC_THREAD
-
         for e in ev[np.argsort(ev["ts"], kind="stable")]:
             kind, pid, tid, ts = int(e["kind"]), int(e["pid"]), int(e["tid"]), int(e["ts"])
             if kind == PROC_FORK:

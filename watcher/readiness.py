@@ -6,6 +6,9 @@ import os
 import re
 from dataclasses import dataclass
 
+from .errors import PermissionProblem
+from .privileges import require_bpf_privileges
+
 
 @dataclass
 class Check:
@@ -45,9 +48,6 @@ def _headers() -> Check:
 
 
 def _privileges() -> Check:
-    from .errors import PermissionProblem
-    from .privileges import require_bpf_privileges
-
     try:
         require_bpf_privileges()
         return Check("privileges", "ok", "root" if os.geteuid() == 0 else "CAP_BPF and CAP_PERFMON")

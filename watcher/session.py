@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 
-from .bpf.recorder import ALL_PROBES, RecorderConfig
+from .bpf.recorder import ALL_PROBES, KernelRecorder, RecorderConfig
 from .collector import Collector, monotonic_ns
 from .errors import RecordingError, TargetError, UsageError
+from .live import LiveView
 from .privileges import explain_compile_failure, require_bcc, require_bpf_privileges
+from .process_model import decode_wait_status
 from .store import RecordingWriter, give_to_invoking_user
 
 
@@ -95,9 +97,7 @@ def _descendants(root: int) -> list[tuple[int, int]]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            ppid = int(_stat_fields(int(entry))[1])
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry))
@@ -110,11 +110,17 @@ def _descendants(root: int) -> list[tuple[int, int]]:
     return out
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name, from the state
+    on (the name is in parentheses and may itself hold spaces or ')')."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def _ppid(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(")") + 2:].split()[1])
+        return int(_stat_fields(pid)[1])
     except (OSError, ValueError):
         return None
 
@@ -131,11 +137,10 @@ def _terminal_sent_it() -> bool:
 def _alive(pid: int) -> bool:
     """Running, not a zombie waiting to be reaped."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+        state = _stat_fields(pid)[0]
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
+    return state not in "ZX"
 
 
 class Session:
@@ -163,8 +168,6 @@ class Session:
     def _load(self) -> None:
         require_bcc()
         require_bpf_privileges()
-        from .bpf.recorder import KernelRecorder
-
         cfg = RecorderConfig(probes=self.config.probes, log_idle_polls=self.config.log_idle_polls,
                              op_pattern=self.config.ops, python_stacks=self.config.py_stacks)
         try:
@@ -175,8 +178,6 @@ class Session:
         writer = RecordingWriter(self.config.out, in_memory=ring)
         on_flush = None
         if self.config.live:
-            from .live import LiveView
-
             self._live = LiveView()
             on_flush = self._live.render
         self.collector = Collector(
@@ -311,8 +312,6 @@ class Session:
         def note_child_status() -> None:
             # We reaped the root ourselves: its wait status is exact.
             if self.child_status is not None and c.model.processes:
-                from .process_model import decode_wait_status
-
                 root = c.model.processes[0]
                 root.exit_code, root.exit_signal = decode_wait_status(self.child_status)
                 c.model.dirty = True

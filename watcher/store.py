@@ -11,8 +11,10 @@ surrogate ids shifted apart so joins never mix processes of two recordings.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import struct
 import tempfile
 from pathlib import Path
@@ -21,7 +23,7 @@ import duckdb
 import numpy as np
 
 from . import schema
-from .errors import RecordingError
+from .errors import QueryError, RecordingError
 from .syscall_names import SYSCALL_NAMES
 
 FUTEX_CMD_NAMES = {
@@ -36,8 +38,6 @@ ID_STRIDE = 1 << 24
 
 
 def _signal_names() -> dict[int, str]:
-    import signal
-
     names = {int(s): s.name for s in signal.Signals if not s.name.startswith("SIG_")}
     return names
 
@@ -257,6 +257,75 @@ def insert_rows(con: duckdb.DuckDBPyConnection, table: str, rows: list[tuple]) -
     con.execute(f"INSERT INTO {table} SELECT {', '.join(select)} FROM _rows")
 
 
+# -- the tables `watcher run` adds after the job (watcher/run.py) --------------------------------
+
+def write_run_tables(path: Path, tables: dict[str, list[tuple]]) -> None:
+    """Create the runtime's tables (step, collective_io, incident, ...) in a
+    recording and insert their rows, one statement per table."""
+    con = duckdb.connect(str(path))
+    try:
+        for table, rows in tables.items():
+            con.execute(schema.TABLE_BY_NAME[table].ddl())
+            insert_rows(con, table, rows)
+    finally:
+        con.close()
+    os.chmod(path, 0o600)
+
+
+def incident_row(inc: dict) -> tuple:
+    """An incident document (watcher/incident.py) as a row of the `incident` table."""
+    rep = inc.get("replay") or {}
+    div = rep.get("first_divergence") or {}
+    c = div.get("collective") or {}
+    window = inc.get("window") or {}
+    attribution, prescription = inc.get("attribution") or {}, inc.get("prescription") or {}
+    return (inc["incident_id"], inc["kind"], inc.get("detected_step"), inc.get("detected_rank"),
+            inc.get("detected_ts"), window.get("from_step"), window.get("to_step"), rep.get("reproduced"),
+            div.get("rank"), div.get("step"),
+            f"{c.get('group')}/{c.get('seq')} {c.get('op')}" if c else None, div.get("where"),
+            inc.get("classification"), inc.get("track"), inc.get("transient_cause"),
+            inc.get("recovered"), inc.get("resumed_at_step"), inc.get("steps_lost"),
+            (inc.get("recovery") or {}).get("detect_to_resume_s"),
+            attribution.get("cause"), attribution.get("confidence"),
+            prescription.get("action"), prescription.get("applied"), json.dumps(inc))
+
+
+def causal_link_rows(inc: dict) -> list[tuple]:
+    """An incident's causal chain as rows of the `causal_link` table, root cause first."""
+    rows = []
+    for i, link in enumerate(inc.get("causal_chain") or []):
+        c = link.get("collective")
+        rows.append((inc["incident_id"], i, link.get("kind"), link.get("step"), link.get("rank"),
+                     link.get("module"), link.get("op"),
+                     f"{c.get('group')}/{c.get('seq')} {c.get('op')}" if c else None, link.get("evidence")))
+    return rows
+
+
+def rank_processes(path: Path) -> list[dict]:
+    """The ranks' own processes in a recording (not their forks), in the order they ended."""
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        rows = con.execute(
+            "SELECT p.rank, p.pid, p.exit_code, p.exit_signal, p.end_ts FROM process p "
+            "LEFT JOIN process parent ON parent.upid = p.parent_upid "
+            "WHERE p.rank IS NOT NULL AND parent.rank IS NULL ORDER BY p.end_ts").fetchall()
+    finally:
+        con.close()
+    return [dict(zip(("rank", "pid", "exit_code", "exit_signal", "end_ts"), r)) for r in rows]
+
+
+def count_steps(path: Path) -> int:
+    """Steps in a recording's `step` table; 0 when there is none."""
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+        try:
+            return con.execute("SELECT coalesce(max(step) + 1, 0) FROM step").fetchone()[0]
+        finally:
+            con.close()
+    except duckdb.Error:
+        return 0
+
+
 def _as_frame(columns: dict[str, list], types: dict[str, str]) -> tuple[dict, list[str]]:
     """A dict of arrays DuckDB can scan, and the select list that reads it
     back in column order.
@@ -443,8 +512,6 @@ class Recordings:
             self.con.execute(f"CREATE TEMP VIEW {v.name} AS {v.sql}")
 
     def query(self, sql: str):
-        from .errors import QueryError
-
         try:
             cur = self.con.execute(sql)
             cols = [d[0] for d in cur.description] if cur.description else []

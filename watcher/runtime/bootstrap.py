@@ -36,7 +36,7 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
 
 def _install_safely() -> None:
     try:
-        from . import rank
+        from . import rank  # only once torch is imported: most processes of a job never train
 
         rank.install()
     except Exception as e:  # fail open: training goes on without Watcher

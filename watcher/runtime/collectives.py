@@ -94,7 +94,7 @@ def _name(x) -> str:
     return name
 
 
-def _done_work(result):
+def done_work(result):
     fut = torch.futures.Future()
     fut.set_result(result)
     return torch._C._distributed_c10d._create_work_from_future(fut)
@@ -128,7 +128,14 @@ _SIGNATURES = {
 # replayed inputs (replay/exchange.py): the window keeps only their output
 # checksum.  Every other op's outputs are kept, to be served in a replay.
 COMPUTED_IN_REPLAY = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
-                                "barrier"})
+                                "barrier", "reduce_scatter", "_reduce_scatter_base", "alltoall", "alltoall_base"})
+
+
+def computed_in_replay(meta: dict) -> bool:
+    """Does a replay compute this collective's outputs (replay/exchange.py),
+    so the record keeps only their checksum?  An all-to-all with uneven
+    splits keeps its outputs."""
+    return meta["op"] in COMPUTED_IN_REPLAY and not meta.get("splits")
 
 
 # Collectives whose transport overwrites their inputs as it goes.
@@ -179,6 +186,8 @@ class WatchedGroup(dist.ProcessGroup):
             root = getattr(args[-1], "rootRank", None) if args else None
             if root is not None:
                 meta["root"] = root
+            if op == "alltoall_base" and (args[2] or args[3]):
+                meta["splits"] = True
         except Exception as e:
             rt.fail(e)
             return getattr(self.inner, op)(*args)
@@ -204,7 +213,7 @@ class WatchedGroup(dist.ProcessGroup):
             except Exception:
                 raise e from None  # whatever happened in Watcher, training sees the real failure
             rt.track_collective(meta, outs, None, release=self._release(saved))
-            return _done_work(result)
+            return done_work(result)
         if rt.disabled:
             return work
         t0 = time.perf_counter_ns()
@@ -214,7 +223,7 @@ class WatchedGroup(dist.ProcessGroup):
                 # complete the work here and hand back a finished one.
                 work.wait()
                 rt.track_collective(meta, outs, None)
-                return _done_work(outs)
+                return done_work(outs)
             return rt.track_collective(meta, outs, work, retry, group=self, release=self._release(saved))
         except Exception as e:
             rt.fail(e)

@@ -8,19 +8,21 @@ atomic rename, so a reader never sees half a file.
     header  magic | incident_seq | plan_seq | verdict_seq | paused (a measurement: PAUSE_RUNTIME | PAUSE_RECORDER)
     slot r  arrived_seq | arrived_step | copy interval wanted | fork interval wanted | ring of RING (step, param_sum)
 
-One control file per node: ranks of a multi-node job see only their own
-node's peers here.
+One control file per node.  On a multi-node job a NodeLink (nodes.py) keeps
+it a replica of the job's: the header words are the job's, and the other
+nodes' ranks' slots are copied in, so every rank reads the same view.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import mmap
 import os
 import struct
 import time
 from pathlib import Path
+
+from ..rundir import control_file, opened_incident_file, read_json, write_json
 
 MAGIC = 0x57415443_48455231  # "WATCHER1"
 MAX_RANKS = 1024
@@ -35,13 +37,6 @@ _Q = struct.Struct("<q")
 _QQ = struct.Struct("<qq")
 
 
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
 def process_state(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks) from /proc/PID/stat; a pid
     plus its start time names one process, even after the pid is reused."""
@@ -53,15 +48,11 @@ def process_state(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def read_json(path: Path):
-    with open(path) as f:
-        return json.load(f)
-
-
 class Control:
     def __init__(self, runtime_dir: Path):
         self.dir = Path(runtime_dir)
-        self.path = self.dir / "control"
+        self.path = control_file(self.dir)
+        self.link = None  # nodes.NodeLink on a multi-node job
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < SIZE:
@@ -87,9 +78,14 @@ class Control:
     def _set(self, i: int, v: int) -> None:
         _Q.pack_into(self.mm, 8 * i, v)
 
+    def _set_global(self, i: int, name: str, v: int) -> None:
+        self._set(i, v)
+        if self.link is not None:
+            self.link.set_word(name, v)
+
     incident_seq = property(lambda self: self._get(1))
-    plan_seq = property(lambda self: self._get(2), lambda self, v: self._set(2, v))
-    verdict_seq = property(lambda self: self._get(3), lambda self, v: self._set(3, v))
+    plan_seq = property(lambda self: self._get(2), lambda self, v: self._set_global(2, "plan_seq", v))
+    verdict_seq = property(lambda self: self._get(3), lambda self, v: self._set_global(3, "verdict_seq", v))
     # Measurement switch for `just bench run`, a bit mask: with PAUSE_RUNTIME
     # the runtime does nothing but count steps (and the run can no longer be
     # replayed); with PAUSE_RECORDER the job leaves the recorder's traced set.
@@ -127,8 +123,19 @@ class Control:
         return max([want] + [_Q.unpack_from(self.mm, HEADER + r * SLOT + word)[0] for r in range(min(world, MAX_RANKS))])
 
     # -- incidents ----------------------------------------------------------------------
+    def mirror(self, incident: int | None = None, plan: int | None = None, verdict: int | None = None) -> None:
+        """Raise the header words to the job's (they only grow)."""
+        for i, v in ((2, plan), (3, verdict), (1, incident)):  # the incident last: its file is already there
+            if v is not None and v > self._get(i):
+                self._set(i, v)
+
+    def incident_path(self, seq: int) -> Path:
+        return opened_incident_file(self.dir, seq)
+
     def open_incident(self, info: dict) -> int | None:
         """Open an incident unless one is already open.  Returns its seq, or None."""
+        if self.link is not None:
+            return self.link.open_incident(info)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
             seq = self.incident_seq
@@ -136,14 +143,14 @@ class Control:
                 return None  # one incident at a time; this one is already being handled
             seq += 1
             info = dict(info, seq=seq, incident_id=f"inc-{seq:04d}")
-            write_json(self.dir / f"incident.{seq}.json", info)
+            write_json(opened_incident_file(self.dir, seq), info)
             self._set(1, seq)
             return seq
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def incident(self, seq: int) -> dict:
-        return read_json(self.dir / f"incident.{seq}.json")
+        return read_json(opened_incident_file(self.dir, seq))
 
     def wait(self, cond, timeout: float, what: str, poll: float = 0.002) -> None:
         deadline = time.monotonic() + timeout

@@ -38,12 +38,16 @@ WATCHER_INJECT holds one fault or a JSON list of them (two transients in one run
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import socket
 import time
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch",
              "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "merge_bitflip")
@@ -58,7 +62,6 @@ def _flip_top_exponent_bit(t: torch.Tensor) -> None:
 def _peer_connections():
     """(fd, socket) for every connected TCP socket of this process except the
     c10d store's: gloo's pairs, which the network faults below act on."""
-    import socket
 
     store_port = int(os.environ.get("MASTER_PORT", "0"))
     for name in os.listdir("/proc/self/fd"):
@@ -80,8 +83,6 @@ def _blackhole_connections() -> None:
     """Attach a drop-everything socket filter (classic BPF, `ret #0`) to each
     of gloo's connections: TCP never sees the peer's data or ACKs again, so
     nothing fails, everything waits."""
-    import ctypes
-    import socket
 
     class SockFilter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
@@ -100,7 +101,6 @@ def _blackhole_connections() -> None:
 def _reset_connections() -> None:
     """Shut down each of gloo's connections (so its pairs break, as on a
     network reset, and the store still works)."""
-    import socket
 
     for _, s in _peer_connections():
         try:
@@ -149,7 +149,6 @@ def _arm_one(rt, f: dict) -> None:
                 time.sleep(float(f.get("seconds", 5)))
         rt.fault_hooks.append(("before_collective", hook))
     elif kind in ("lr_spike", "segv"):
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         def pre(opt, args, kwargs):
             if rt.step + 1 != step or opt is not rt.main_opt or not mine():
@@ -171,7 +170,7 @@ def _arm_one(rt, f: dict) -> None:
         rt.fault_hooks.append(("batch", batch_hook))
     elif kind == "bad_sample":
         sample = int(f.get("sample", 5))
-        key_file = rt.dir / "drill.bad_sample.pt"
+        key_file = rt.rundir.drill_file("bad_sample.pt")
         known = {"key": None}
 
         def batch_hook(rt_, batch):
@@ -191,7 +190,6 @@ def _arm_one(rt, f: dict) -> None:
             return batch
         rt.fault_hooks.append(("batch", batch_hook))
     elif kind == "bad_op":
-        from torch.nn.modules.module import register_module_forward_hook
 
         def fwd(module, inputs, output):
             if isinstance(module, torch.nn.GELU):
@@ -200,7 +198,6 @@ def _arm_one(rt, f: dict) -> None:
             return None
         register_module_forward_hook(fwd)
     elif kind == "fp32_overflow":
-        from torch.nn.modules.module import register_module_forward_hook
 
         c = float(f.get("sharpness", 60.0))
 
@@ -211,7 +208,6 @@ def _arm_one(rt, f: dict) -> None:
             return None
         register_module_forward_hook(fwd)
     elif kind == "bad_cores":
-        from torch.nn.modules.module import register_module_forward_hook
 
         bad = set(f.get("cpus", [0]))
         factor = float(f.get("factor", 1e4))

@@ -16,8 +16,8 @@ compared with the record.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
-import math
 import os
 import shutil
 import sys
@@ -30,15 +30,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data import dataloader
 
-from . import collectives, relink, transport
-from .collectives import COMPUTED_IN_REPLAY
+from ..analysis.detectors import Detectors
+from ..replay.protocol import handle_incident
+from ..replay.snapshot import ForkSnapshot, SnapshotPolicy
+from ..replay.state_copy import CopyPolicy, StateCopies
+from ..rundir import STOP_EXIT_CODE, RunDir, write_json
+from . import collectives, inject, relink, remedies, transport
 from .checksum import PARTS, ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum
-from .control import PAUSE_RUNTIME, Control, process_state, read_json, write_json
-from .window import END_OF_DATA, SegmentWriter
+from .collectives import computed_in_replay
+from .control import PAUSE_RUNTIME, Control, process_state
+from .samples import row_digests, without_rows
+from .training import optimizer_params, scan_training_objects
+from .window import END_OF_DATA, SegmentWriter, segment_paths, segment_step
 
 RUNTIME: "RankRuntime | None" = None
-STOP_EXIT_CODE = 75  # a rank stopped by Watcher after an incident (EX_TEMPFAIL)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -51,7 +59,8 @@ def _env_float(name: str, default: float) -> float:
 class RankRuntime:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
-        self.dir = self.run_dir / "runtime"
+        self.rundir = RunDir(self.run_dir)
+        self.dir = self.rundir.runtime
         # The window's segments: on tmpfs when `watcher run` provides it.
         # Writing ~1 MB a step to a disk-backed file cost the reference job
         # ~18% in writeback; tmpfs is a memcpy, and still outlives a crashed rank.
@@ -103,9 +112,7 @@ class RankRuntime:
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
         self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
-        from ..analysis.detectors import Detectors
-        from ..replay.snapshot import SnapshotPolicy
-
+        self._forking_snapshot = False  # between ForkSnapshot.take's fork and its return (see _child_is_not_a_rank)
         self.detectors = Detectors.from_env()
         budget = _env_float("WATCHER_SNAPSHOT_BUDGET", 1.0) / 100.0
         # State copies between forks (replay/state_copy.py) share the budget
@@ -117,8 +124,6 @@ class RankRuntime:
         self.copies = None            # replay.state_copy.StateCopies, made before the first fork
         self.snap_policy = SnapshotPolicy(budget if self.copy_off else budget / 3)
         if not self.copy_off:
-            from ..replay.state_copy import CopyPolicy
-
             self.copy_policy = CopyPolicy(budget * 2 / 3)
         self._lock = threading.Lock()
 
@@ -137,7 +142,7 @@ class RankRuntime:
         except Exception:
             pass
         try:
-            with open(self.dir / f"rank{self.rank}.error", "a") as f:
+            with open(self.rundir.error_log(self.rank), "a") as f:
                 f.write("".join(traceback.format_exception(e)))
             print(f"watcher: runtime disabled on rank {self.rank} after an internal error: {e}",
                   file=sys.stderr, flush=True)
@@ -152,7 +157,7 @@ class RankRuntime:
         self.ctl = Control(self.dir)
         # One log of JSON lines per rank: each step's collectives (lines with
         # "seq"), then the step's fingerprint; one write a step reaches the file.
-        self.steps_log = open(self.dir / f"rank{self.rank}.steps.jsonl", "a", buffering=1 << 16)
+        self.steps_log = open(self.rundir.steps_log(self.rank), "a", buffering=1 << 16)
         # No segment before the first snapshot: nothing could replay it.
         # Capped, and never more than a quarter of the free space shared by this node's ranks.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) or 1
@@ -229,13 +234,11 @@ class RankRuntime:
         they arrive (before the window records the batch, so a replay trains
         on what the live rank did).  A batch made only of them is kept
         whole: every rank must still take the same number of steps."""
-        from ..replay.variants import row_digests, without_rows
-
         digests = row_digests(batch)
         rows = [i for i, d in enumerate(digests) if d in self.skip_digests]
         if not rows or len(rows) == len(digests):
             return batch
-        with open(self.dir / f"rank{self.rank}.skipped.jsonl", "a") as f:
+        with open(self.rundir.skipped_log(self.rank), "a") as f:
             f.write(json.dumps({"step": self.step + 1, "rank": self.rank, "rows": rows,
                                 "digests": [str(digests[i]) for i in rows], "incident_id": self.skip_reason}) + "\n")
         print(f"watcher: rank {self.rank} step {self.step + 1}: skipped sample(s) {rows} "
@@ -268,7 +271,7 @@ class RankRuntime:
                 # The window gets the step's collectives with its step record
                 # (step_end): one write a step, none here, where the waiting
                 # training thread pays for every microsecond.
-                if meta["op"] in COMPUTED_IN_REPLAY:
+                if computed_in_replay(meta):
                     # A replay computes these outputs from every rank's replayed
                     # inputs: the record keeps only their checksum, taken before
                     # anyone can read (or overwrite) them.
@@ -356,7 +359,7 @@ class RankRuntime:
 
     # -- step end (live) --------------------------------------------------------------------
     def params(self) -> list:
-        return [p for g in self.main_opt.param_groups for p in g["params"]]
+        return optimizer_params(self.main_opt)
 
     def fingerprint(self) -> dict:
         self.step += 1
@@ -445,8 +448,6 @@ class RankRuntime:
                 if self.rank == 0:
                     self.ctl.verdict_seq = max(self.ctl.verdict_seq, seq)  # the next incident may open
             elif k >= info["halt_step"]:
-                from ..replay.coordinator import handle_incident
-
                 handle_incident(self, seq, info)
                 # The halt and the replay are not training time: no hang, no step-time sample.
                 self.last_end_ns = None
@@ -520,19 +521,16 @@ class RankRuntime:
 
     # -- snapshots ----------------------------------------------------------------------------
     def take_snapshot(self, k: int) -> None:
-        from ..replay.snapshot import ForkSnapshot
-
         self.flush_logs()
         if self.modules is None and self.main_opt is not None:
-            from ..replay.merge import scan_training_objects
-
-            self.modules, self.schedulers = scan_training_objects(
-                [p for g in self.main_opt.param_groups for p in g["params"]], self.main_opt)
+            self.modules, self.schedulers = scan_training_objects(self.params(), self.main_opt)
         if self.copies is None and not self.copy_off and self.main_opt is not None:
-            from ..replay.state_copy import StateCopies
-
             self.copies = StateCopies(self)  # before the fork: every snapshot shares the slots
-        snap = ForkSnapshot.take(self, k)
+        self._forking_snapshot = True
+        try:
+            snap = ForkSnapshot.take(self, k)
+        finally:
+            self._forking_snapshot = False
         if snap is None:
             return  # we are a replay child, returning into the training loop
         self.seg.start(k)
@@ -547,6 +545,70 @@ class RankRuntime:
             if s.step == step:
                 return s
         return None
+
+    # -- the seam: what replay may read and ask (seam.Rank) ------------------------------------
+    def usable_snapshots(self) -> list[int]:
+        """Steps of the snapshots a replay may start from: none from before a measurement's pause."""
+        return [s.step for s in self.snapshots if s.step > self.window_gap]
+
+    def counters(self) -> dict:
+        return {"step": self.step, "fetch_idx": self.fetch_idx, "seqs": [g.seq for g in self.groups]}
+
+    def restore_counters(self, counters: dict) -> None:
+        self.step, self.fetch_idx = counters["step"], counters["fetch_idx"]
+        for g, seq in zip(self.groups, counters["seqs"]):
+            g.seq = seq
+
+    def flush(self) -> None:
+        self.seg.flush()
+        self.flush_logs()
+
+    def incident_handled(self, seq: int) -> None:
+        self.handled_seq = seq
+
+    def retain_snapshot(self, step: int, incident_id: str) -> None:
+        snap = self.snapshot_at(step)
+        if snap is None:
+            return
+        snap.incident_id = incident_id
+        self.snapshots.remove(snap)
+        # One retained snapshot at a time: each is a copy-on-write image of the rank.
+        for old in self.retained:
+            old.release()
+        self.retained = [snap]
+
+    def restart_history(self) -> None:
+        for snap in self.snapshots:
+            snap.release()
+        self.snapshots = []
+        if self.copies is not None:
+            self.copies.forget()
+        self.resnapshot = True  # the next replay starts from the recovered state
+
+    def adopt_recovered_steps(self, fingerprints: list[dict], last_step: int, param_sum: int) -> None:
+        """The replayed fingerprints become the record of the recovered steps
+        (the steps log keeps the last line per step), and the beacon carries
+        the recovered parameters for the replica check."""
+        for fp in fingerprints:
+            self.steps_log.write(json.dumps(dict(fp, recovered=True)) + "\n")
+        self.flush_logs()
+        self.ctl.beacon(self.rank, last_step, param_sum)
+
+    def apply_prescription(self, prescription: dict, incident_id: str) -> None:
+        remedies.apply(self, prescription, incident_id)
+
+    def stop_after_incident(self, incident_id: str) -> None:
+        self.flush()
+        self.close()
+        os._exit(STOP_EXIT_CODE)
+
+    def go_quiet(self) -> None:
+        self.disabled = True
+
+    def enter_replay(self, state) -> None:
+        self.replay = state
+        self.mode = "replay"
+        self.disabled = False
 
     # -- hang watchdog ----------------------------------------------------------------------------
     def _watchdog(self) -> None:
@@ -645,8 +707,6 @@ class RankRuntime:
         try:
             seq = self.ctl.incident_seq
             if seq > self.handled_seq and not self.ctl.incident(seq).get("resolved"):
-                from ..replay.coordinator import handle_incident
-
                 handle_incident(self, seq, self.ctl.incident(seq), final=True)
         except Exception as e:
             self.fail(e)
@@ -681,8 +741,6 @@ class RankRuntime:
         `watcher diagnose`, for at most `watcher run --retain` seconds.  Its
         window is copied into DIR/retained/window (tmpfs is freed at the end
         of the run); DIR/retained/rank<r>.json says where it is."""
-        from .window import segment_paths, segment_step
-
         retain_s = _env_float("WATCHER_RETAIN_S", 0.0)
         if retain_s <= 0 or not self.active or self.mode != "live":
             return False
@@ -691,8 +749,7 @@ class RankRuntime:
             segs = segment_paths(self.window_dir, self.rank, snap.step)
             if not segs or segment_step(segs[0]) != snap.step:
                 return False  # the window since the snapshot is no longer whole
-            top = self.run_dir / "retained"
-            window, orders = top / "window", top / "orders" / f"rank{self.rank}"
+            window, orders = self.rundir.retained_window, self.rundir.retained_orders(self.rank)
             window.mkdir(parents=True, exist_ok=True)
             orders.mkdir(parents=True, exist_ok=True)
             for p in segs:
@@ -700,7 +757,7 @@ class RankRuntime:
             until = time.time() + retain_s
             if not snap.retain(until, window, orders):
                 return False
-            write_json(top / f"rank{self.rank}.json",
+            write_json(self.rundir.retained_info(self.rank),
                        {"rank": self.rank, "world": self.world, "pid": snap.pid, "step": snap.step,
                         "start_ticks": (process_state(snap.pid) or (None, None))[1], "until": until, "incident_id": snap.incident_id,
                         "detect": os.environ.get("WATCHER_DETECT"), "replicated": self.replicated,
@@ -722,8 +779,6 @@ os.register_at_fork(after_in_child=_KEPT_STATES.clear)
 
 
 def _keep_thread_state() -> None:
-    import ctypes
-
     _KEPT_STATES.add(threading.get_ident())
     ctypes.pythonapi.PyGILState_Ensure()
 
@@ -778,9 +833,6 @@ def install() -> None:
     if RUNTIME is not None:
         return
     RUNTIME = RankRuntime(Path(os.environ["WATCHER_RUN_DIR"]))
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    from torch.utils.data import dataloader
-
     register_optimizer_step_post_hook(_guard(lambda rt, opt, args, kwargs: rt.on_optimizer_step(opt)))
 
     orig_backward = torch.Tensor.backward
@@ -821,8 +873,6 @@ def install() -> None:
         mod.init_process_group = init_process_group
         mod.new_group = new_group
     _refuse_functional_collectives()
-    from . import inject
-
     inject.arm(RUNTIME)
     # DataLoader workers and other forks of a rank are not ranks.
     os.register_at_fork(after_in_child=_child_is_not_a_rank)
@@ -869,7 +919,7 @@ def _refuse_functional_collectives() -> None:
 
 def _child_is_not_a_rank() -> None:
     rt = RUNTIME
-    if rt is not None and not getattr(rt, "_forking_snapshot", False):
+    if rt is not None and not rt._forking_snapshot:
         rt.disabled = True
 
 

@@ -31,6 +31,7 @@ import time
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ..incident import Incident, save_incident
 from . import transport
 from .checksum import tensors_sum
 
@@ -92,9 +93,6 @@ def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseEx
 def _record(rt, group, meta: dict, error: BaseException, why: str | None, t0: int) -> None:
     """The incident, written at once: nothing to halt or replay (the inputs
     were verified), so the ranks never stop."""
-    from ..replay.coordinator import incident_doc
-    from .control import write_json
-
     seq = rt.ctl.open_incident({"kind": "collective_error", "rank": rt.rank, "failing_step": meta["step"],
                                 "halt_step": None, "resolved": True, "detected_ts": t0})
     if seq is None:
@@ -106,16 +104,16 @@ def _record(rt, group, meta: dict, error: BaseException, why: str | None, t0: in
         detail["stalled_s"] = meta["stalled_s"]
         detail["error"] = (f"no progress for {meta['stalled_s']:g} s with every member inside it "
                            f"(collective_timeout); transport aborted: {detail['error']}")
-    doc = incident_doc(iid, "collective_error", meta["step"], rt.rank, t0, detail, None, None)
+    doc = Incident.opened(iid, "collective_error", meta["step"], rt.rank, t0, detail, None, None)
     ok = why is None
     doc.update(classification="transient", track="A", transient_cause="communication", recovered=ok,
                resumed_at_step=meta["step"] if ok else None, steps_lost=0 if ok else None,
                recovery={"method": "rebuilt the group's gloo transport and issued the collective again",
                          "collective": coll, "reason": why,
                          "detect_to_resume_s": round((time.monotonic_ns() - t0) / 1e9, 4)})
-    write_json(rt.run_dir / "incidents" / f"{iid}.json", doc)
+    save_incident(rt.rundir, doc)
     rt.ctl.verdict_seq = max(rt.ctl.verdict_seq, seq)
     print(f"watcher: incident {iid}: {meta['op']} #{meta['seq']} at step {meta['step']} failed "
-              f"({doc['detail']['error'][:80]}); " + ("transport rebuilt, collective retried, training goes on"
+              f"({doc.detail['error'][:80]}); " + ("transport rebuilt, collective retried, training goes on"
                                                      if ok else f"not recovered: {why}"),
               file=sys.stderr, flush=True)

@@ -1,0 +1,142 @@
+"""The incident protocol across ranks: halt, plan, replay, verdict, go on or stop.
+
+Every rank runs `handle_incident` when it reaches the incident's halt step
+(one step after detection, so no rank is ever left waiting inside a collective
+of a step its peers will not run):
+
+1. arrive: say which snapshots and copies it holds, wait for every rank;
+2. plan (rank 0, plan.py): the verified state to start from and the window;
+3. replay (rounds.py): each rank replays its own window from its snapshot, in
+   the sandbox, coordinated through an exchange directory; first from a
+   state copy when there is one, and from the fork if that does not stand;
+4. verdict (rank 0, verdict.py): written as DIR/incidents/<id>.json;
+5. go on: Track A merges a transient's replayed state (recovery.py), Track B
+   diagnoses a persistent failure (diagnose.py) and under --policy apply
+   merges the cure; otherwise the rank goes on (policy observe) or stops
+   cleanly (exit STOP_EXIT_CODE).
+
+The ranks meet through the node's control block (rt.ctl: arrived, plan and
+verdict words) and the incident's directory (watcher/rundir.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..incident import Incident, load_incident, save_incident
+from ..rundir import exchange_dir, read_json, write_json
+from ..runtime.seam import Rank
+from .plan import fallback_plan, make_plan
+from .recovery import diagnose_and_apply, recover
+from .rounds import WAIT_S, await_replays, remove_tree, replay_here, say
+from .verdict import DIAGNOSED, copy_outcome, decide
+
+
+def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False) -> None:
+    ctl, k, iid = rt.ctl, rt.step, info["incident_id"]
+    inc_dir = rt.rundir.incident_dir(iid).make()
+    t_halt = time.monotonic_ns()
+    rt.flush()  # the replays and the verdict read every rank's window and logs from disk
+    write_json(inc_dir.arrive(rt.rank),
+               {"rank": rt.rank, "step": k, "snapshots": rt.usable_snapshots(), "pid": os.getpid(),
+                "unsupported": rt.unsupported, "copies": rt.copies.held() if rt.copies is not None else []})
+    ctl.arrive(rt.rank, seq, k)
+    say(rt, f"incident {iid} ({info['kind']} at step {info['failing_step']}, rank {info['rank']}): "
+            f"halted at step {k}, replaying")
+    verdict = None
+    plan = {}
+    result_dir = None
+    try:
+        # At exit a peer that died first never arrives: do not hold the exit long.
+        ctl.wait(lambda: all(ctl.arrived(r)[0] == seq for r in range(rt.world)), 30 if final else WAIT_S,
+                 "every rank to halt")
+        if rt.rank == 0:
+            write_json(inc_dir.plan, make_plan(rt, info, inc_dir))
+            ctl.plan_seq = seq
+        ctl.wait(lambda: ctl.plan_seq >= seq, WAIT_S, "the replay plan")
+        plan = read_json(inc_dir.plan)
+        if plan.get("state_copy") is not None:
+            # First the short window from the newest state copy; it stands
+            # only if it proves itself (copy_outcome), else the fork's window.
+            quick = inc_dir.from_copy.make()
+            replay_here(rt, plan["fork_step"], plan["to_step"], quick, f"{iid}-copy", plan["replay_timeout_s"],
+                        state_copy=plan["state_copy"], halted_ns=t_halt)
+            if rt.rank == 0:
+                await_replays(rt, quick)
+                try:
+                    outcome = copy_outcome(rt, info, plan, quick)
+                except Exception as e:
+                    outcome = {"accepted": False, "reason": f"the verdict failed: {e}"}
+                copied = outcome.pop("verdict", None)
+                if outcome["accepted"]:
+                    save_incident(rt.rundir, copied)
+                else:
+                    outcome["plan"] = fallback_plan(rt, plan, outcome["reason"])
+                    write_json(inc_dir.plan, outcome["plan"])
+                write_json(quick.outcome, outcome)
+            ctl.wait(lambda: quick.outcome.exists(), WAIT_S, "the state copy's verdict")
+            outcome = read_json(quick.outcome)
+            remove_tree(exchange_dir(rt.window_dir, f"{iid}-copy"))
+            if outcome["accepted"]:
+                result_dir = quick
+            else:
+                plan = outcome["plan"]
+        if result_dir is None:
+            replay_here(rt, plan.get("from_step"), plan["to_step"], inc_dir, iid, plan.get("replay_timeout_s"),
+                        halted_ns=t_halt)
+            result_dir = inc_dir
+            if rt.rank == 0:
+                await_replays(rt, inc_dir)
+                try:
+                    verdict = decide(rt, info, plan, inc_dir)
+                except Exception as e:
+                    verdict = Incident.unclassified(info, plan, f"the verdict failed: {e}")
+                if plan.get("copy_attempt") and verdict.replay is not None:
+                    verdict.replay["copy_attempt"] = plan["copy_attempt"]
+                save_incident(rt.rundir, verdict)
+        if rt.rank == 0:
+            ctl.verdict_seq = seq
+        ctl.wait(lambda: ctl.verdict_seq >= seq, WAIT_S, "the verdict")
+        verdict = load_incident(rt.rundir, iid)
+    except Exception as e:  # never leave the peers waiting on this rank
+        say(rt, f"incident {iid}: {e}; going on without a verdict")
+        if rt.rank == 0:
+            if not inc_dir.plan.exists():
+                write_json(inc_dir.plan, {"failing_step": info["failing_step"], "from_step": None,
+                                          "to_step": info["failing_step"], "reason": str(e)})
+            ctl.plan_seq = max(ctl.plan_seq, seq)
+            ctl.verdict_seq = max(ctl.verdict_seq, seq)
+        elif not inc_dir.replayed(rt.rank).exists():
+            write_json(inc_dir.replayed(rt.rank), {"rank": rt.rank, "error": str(e)})
+    rt.incident_handled(seq)
+    remove_tree(exchange_dir(rt.window_dir, iid))
+    _go_on(rt, info, plan, inc_dir, result_dir, verdict, t_halt, final)
+
+
+def _go_on(rt: Rank, info: dict, plan: dict, inc_dir, result_dir, verdict: Incident | None, t_halt: int,
+           final: bool) -> None:
+    """After the verdict: recover, diagnose, keep the snapshot, or stop."""
+    iid = info["incident_id"]
+    recovered = False
+    acting = rt.policy in ("recover", "apply") and not final
+    if verdict:
+        say(rt, f"incident {iid}: {verdict.classification or 'unclassified'}"
+                + (f" ({verdict.transient_cause})" if verdict.transient_cause else ""))
+    if verdict and verdict.classification == "transient" and acting and info["kind"] != "replay_check":
+        recovered = recover(rt, info, plan, t_halt, result_dir or inc_dir)
+    if verdict and verdict.classification == "persistent" and acting and info["kind"] in DIAGNOSED:
+        recovered = diagnose_and_apply(rt, info, plan, inc_dir, t_halt)
+    if verdict and verdict.classification == "persistent":
+        # Keep the frozen snapshot out of rotation for diagnosis: the one
+        # the diagnosis replayed from, if one ran, so that `watcher
+        # diagnose` repeats it from the same state.
+        start = plan.get("from_step")
+        round0 = inc_dir.diagnosis_round(0)
+        if round0.exists():
+            start = read_json(round0).get("from_step", start)
+        if start is not None:
+            rt.retain_snapshot(start, iid)
+    if rt.policy != "observe" and info["kind"] != "replay_check" and not final and not recovered:
+        say(rt, f"stopping after incident {iid} (policy {rt.policy})")
+        rt.stop_after_incident(iid)

@@ -1,0 +1,189 @@
+"""Many nodes: every node's control block kept a replica of the job's, through
+the job's own c10d store.
+
+Each node runs its own `watcher run` with its own run directory and its own
+control block (control.py), a shared mmap the node's ranks read on the hot
+path.  Across nodes they share nothing but the network, and the one
+distributed mechanism every torchrun, Slurm or Kubernetes job already has:
+the rendezvous store at MASTER_ADDR:MASTER_PORT (a c10d TCPStore).  Watcher
+keeps its keys under a prefix of its own there:
+
+    incident_seq, plan_seq, verdict_seq   the control block's header words, global
+    incident/<seq>                        an incident as its rank opened it
+    node/<n>                              node n's ranks' slots (arrived, wanted intervals, beacons)
+    run/<path>                            run-directory documents (rundir.RunDir.put)
+    x/<tag>/<rank>/...                    a replay's collective inputs (replay/relay.py)
+
+The node's leader (local rank 0) runs a relay thread that publishes its
+node's slots and copies the other nodes' into the local block every few
+milliseconds, so replica checks, interval agreement and arrival waits read
+the mmap as on one node.  Opening an incident is a compare-and-set on
+incident_seq.  The one hard guarantee, that no rank steps past the halt step,
+comes from the leader reading the store at every step end (one round trip,
+~55 us on loopback here) and the halt step being two steps after detection
+on a multi-node job: the leader cannot finish step k+1 before the detecting
+rank entered it (every step has a collective every rank joins), so it sees
+the incident by then and publishes it to its node before step k+2, whose end
+every local rank reaches only after that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..rundir import write_json
+from .control import HEADER, RING, RING_AT, SLOT, Control
+
+RELAY_EVERY_S = 0.005
+WORDS = ("incident_seq", "plan_seq", "verdict_seq")
+_QQ = struct.Struct("<qq")
+_Q = struct.Struct("<q")
+
+
+@dataclass
+class NodeLayout:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    node: int
+    nodes: int
+    master_addr: str
+    master_port: int
+    run_id: str
+
+    @property
+    def leader(self) -> bool:
+        return self.local_rank == 0
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "NodeLayout | None":
+        """The job's layout from the launcher's environment; None on one node."""
+        try:
+            world = int(env["WORLD_SIZE"])
+            local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+            if local_world >= world or local_world < 1:
+                return None
+            return cls(rank=int(env["RANK"]), world=world, local_rank=int(env.get("LOCAL_RANK", 0)),
+                       local_world=local_world, node=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+                       nodes=world // local_world, master_addr=env["MASTER_ADDR"],
+                       master_port=int(env["MASTER_PORT"]), run_id=env.get("TORCHELASTIC_RUN_ID", "job"))
+        except (KeyError, ValueError):
+            return None
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world
+
+    def local_ranks(self) -> list[int]:
+        return list(range(self.node * self.local_world, (self.node + 1) * self.local_world))
+
+
+def connect(layout: NodeLayout, timeout_s: float = 60.0):
+    """A client of the job's store of its own (the rank's c10d client serves
+    the rank's threads; Watcher's traffic never queues behind it), under
+    Watcher's prefix for this run."""
+    client = dist.TCPStore(layout.master_addr, layout.master_port, is_master=False,
+                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.PrefixStore(f"watcher/{layout.run_id}", client)
+
+
+class NodeLink:
+    """This node's control block, linked to the job's."""
+
+    def __init__(self, ctl: Control, layout: NodeLayout, store=None):
+        self.ctl, self.layout = ctl, layout
+        self.store = store if store is not None else connect(layout)
+        for w in WORDS:
+            self.store.add(w, 0)  # created at 0 by the first rank; a no-op after
+        self.relay_store = None
+        self.stopped = threading.Event()
+        self.errors = 0
+
+    # -- the hot path (leader only, at every step end) ---------------------------------------
+    def sync(self) -> None:
+        """Raise the local header words to the job's (one round trip), fetching
+        a newly opened incident's file first so local ranks can read it."""
+        self._sync_words(self.store)
+
+    def _sync_words(self, store) -> None:
+        incident, plan, verdict = (int(v) for v in store.multi_get(list(WORDS)))
+        have = self.ctl.incident_seq
+        for seq in range(have + 1, incident + 1):
+            info = json.loads(store.get(f"incident/{seq}"))
+            write_json(self.ctl.incident_path(seq), info)
+        self.ctl.mirror(incident=incident, plan=plan, verdict=verdict)
+
+    # -- cold path ---------------------------------------------------------------------------
+    def open_incident(self, info: dict) -> int | None:
+        cur, verdict = (int(v) for v in self.store.multi_get(["incident_seq", "verdict_seq"]))
+        if cur > verdict:
+            return None  # one incident at a time, job-wide
+        seq = cur + 1
+        if self.store.compare_set("incident_seq", str(cur), str(seq)).decode() != str(seq):
+            return None  # another rank opened one first
+        info = dict(info, seq=seq, incident_id=f"inc-{seq:04d}")
+        self.store.set(f"incident/{seq}", json.dumps(info))
+        write_json(self.ctl.incident_path(seq), info)
+        self.ctl.mirror(incident=seq)
+        return seq
+
+    def set_word(self, name: str, value: int) -> None:
+        """plan_seq and verdict_seq, which only rank 0 moves, and only up."""
+        self.store.set(name, str(value))
+
+    # -- the relay (leader only) ---------------------------------------------------------------
+    def start_relay(self) -> None:
+        self.relay_store = connect(self.layout)
+        threading.Thread(target=self._relay, name="watcher-node-relay", daemon=True).start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _relay(self) -> None:
+        others = [f"node/{n}" for n in range(self.layout.nodes) if n != self.layout.node]
+        while not self.stopped.wait(RELAY_EVERY_S):
+            try:
+                self.relay_store.set(f"node/{self.layout.node}", self._local_slots())
+                if others:
+                    for blob in self.relay_store.multi_get(others) if self.relay_store.check(others) else []:
+                        self._adopt_slots(blob)
+                self._sync_words(self.relay_store)
+            except Exception:
+                self.errors += 1  # the store went away (the job is ending); keep trying quietly
+                time.sleep(0.1)
+
+    def _local_slots(self) -> bytes:
+        mm = self.ctl.mm
+        out = bytearray()
+        for r in self.layout.local_ranks():
+            out += _Q.pack(r) + mm[HEADER + r * SLOT: HEADER + (r + 1) * SLOT]
+        return bytes(out)
+
+    def _adopt_slots(self, blob: bytes) -> None:
+        """Copy another node's slots in, each ring entry as a beacon is written
+        (checksum first, step last), so a reader never pairs a step with a stale sum."""
+        mm, at = self.ctl.mm, 0
+        while at + 8 + SLOT <= len(blob):
+            r = _Q.unpack_from(blob, at)[0]
+            src = blob[at + 8: at + 8 + SLOT]
+            base = HEADER + r * SLOT
+            mm[base + 16: base + RING_AT] = src[16:RING_AT]  # wanted intervals
+            for i in range(RING):
+                off = RING_AT + i * 16
+                step, value = _QQ.unpack_from(src, off)
+                if _QQ.unpack_from(mm, base + off) != (step, value):
+                    _Q.pack_into(mm, base + off, -1)
+                    _Q.pack_into(mm, base + off + 8, value)
+                    _Q.pack_into(mm, base + off, step)
+            seq, step = _QQ.unpack_from(src, 0)
+            _Q.pack_into(mm, base + 8, step)
+            _Q.pack_into(mm, base, seq)
+            at += 8 + SLOT
