@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 from ..incident import load_incident, save_incident
-from ..rundir import IncidentDir, read_json, write_json
+from ..rundir import IncidentDir
 from ..runtime.seam import Rank
-from .plan import diagnosis_start
+from .plan import JobLog, diagnosis_start
 from .rounds import WAIT_S, await_replays, load_results, replay_here, say
 from .verdict import recoverable
 
@@ -56,38 +56,38 @@ def diagnose(rt: Rank, info: dict, plan: dict, inc_dir: IncidentDir) -> dict | N
     inc_dir.diagnosis.mkdir(exist_ok=True)
     iid = info["incident_id"]
     if rt.rank == 0:
-        write_json(inc_dir.diagnosis_round(0), plan_trace(rt, info, plan, inc_dir))
-    rt.ctl.wait(lambda: inc_dir.diagnosis_round(0).exists(), WAIT_S, "the diagnosis plan")
-    first = read_json(inc_dir.diagnosis_round(0))
+        rt.rundir.put(inc_dir.diagnosis_round(0), plan_trace(rt, info, plan, inc_dir))
+    rt.ctl.wait(lambda: rt.rundir.has(inc_dir.diagnosis_round(0)), WAIT_S, "the diagnosis plan")
+    first = rt.rundir.get(inc_dir.diagnosis_round(0))
     if first.get("from_step") is None:
         return None
     dplan = dict(plan, from_step=first["from_step"])
     t0 = time.monotonic()
     for rnd in (0, 1):
         path = inc_dir.diagnosis_round(rnd)
-        rt.ctl.wait(lambda: path.exists(), WAIT_S, f"diagnosis round {rnd}")
-        for var in read_json(path)["variants"]:
+        rt.ctl.wait(lambda: rt.rundir.has(path), WAIT_S, f"diagnosis round {rnd}")
+        for var in rt.rundir.get(path)["variants"]:
             say(rt, f"{iid}: counterfactual replay {var['name']}")
             replay_here(rt, first["from_step"], dplan["to_step"], inc_dir.variant(var["name"]),
                         f"{iid}-{var['name']}", dplan.get("replay_timeout_s", 120.0), variant=var,
                         keep_exchange=False)
         if rt.rank == 0 and rnd == 0:
             trace = _results(rt, inc_dir, "trace")
-            write_json(inc_dir.diagnosis_round(1), {"variants": plan_counterfactuals(rt, info, dplan, trace)})
+            rt.rundir.put(inc_dir.diagnosis_round(1), {"variants": plan_counterfactuals(rt, info, dplan, trace)})
     if rt.rank == 0:
-        variants = {v["name"]: v for v in read_json(inc_dir.diagnosis_round(1))["variants"]}
+        variants = {v["name"]: v for v in rt.rundir.get(inc_dir.diagnosis_round(1))["variants"]}
         results = {n: _results(rt, inc_dir, n) for n in ["trace"] + list(variants)}
         outcome = judge(rt, info, dplan, results, variants, inc_dir)
         outcome["diagnosis_s"] = round(time.monotonic() - t0, 3)
-        write_json(inc_dir.diagnosis_done, outcome)
-    rt.ctl.wait(lambda: inc_dir.diagnosis_done.exists(), WAIT_S, "the diagnosis")
-    return read_json(inc_dir.diagnosis_done)
+        rt.rundir.put(inc_dir.diagnosis_done, outcome)
+    rt.ctl.wait(lambda: rt.rundir.has(inc_dir.diagnosis_done), WAIT_S, "the diagnosis")
+    return rt.rundir.get(inc_dir.diagnosis_done)
 
 
 def _results(rt: Rank, inc_dir: IncidentDir, name: str) -> list[dict]:
     out = inc_dir.variant(name)
     await_replays(rt, out, f"every rank's {name} replay")
-    return load_results(out, rt.world)
+    return load_results(rt, out)
 
 
 # -- planning (rank 0) ------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def _other_cores(rt: Rank) -> dict:
     moved = {}
     for r in range(rt.world):
         path = rt.rundir.affinity(r)
-        got = read_json(path) if path.exists() else None
+        got = rt.rundir.get(path) if rt.rundir.has(path) else None
         if got and set(got) < every:
             moved[str(r)] = sorted(every - set(got))
     return moved
@@ -142,13 +142,13 @@ def record_affinity(rt: Rank) -> None:
     """Each rank says where it runs (its CPU set) before a diagnosis."""
     path = rt.rundir.affinity(rt.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, sorted(os.sched_getaffinity(0)))
+    rt.rundir.put(path, sorted(os.sched_getaffinity(0)))
 
 
 # -- judging (rank 0) --------------------------------------------------------------------------
 
-def _clean(rt: Rank, plan: dict, results: list[dict]) -> tuple[bool, str | None]:
-    got = recoverable(rt, plan, results)
+def _clean(rt: Rank, plan: dict, results: list[dict], log: JobLog) -> tuple[bool, str | None]:
+    got = recoverable(rt, plan, results, log)
     return bool(got["possible"]), got.get("reason")
 
 
@@ -156,7 +156,7 @@ def judge(rt: Rank, info: dict, plan: dict, results: dict, variants: dict, inc_d
     """Attribution, causal chain and prescription from the replays' outcomes;
     written into the incident.  Returns {"apply": variant name or None}."""
     verdict = load_incident(rt.rundir, info["incident_id"])
-    found = conclude(rt, info, plan, results, variants, inc_dir.reproducer)
+    found = conclude(rt, info, plan, results, variants, inc_dir.reproducer, JobLog.of(rt.rundir, inc_dir, rt.world))
     apply, cause = found.pop("apply"), found["attribution"]["cause"]
     verdict.update(**found)
     apply = apply if rt.policy == "apply" else None
@@ -168,13 +168,13 @@ def judge(rt: Rank, info: dict, plan: dict, results: dict, variants: dict, inc_d
     return {"apply": apply, "cause": cause}
 
 
-def conclude(rt, info: dict, plan: dict, results: dict, variants: dict, repro_dir: Path) -> dict:
+def conclude(rt, info: dict, plan: dict, results: dict, variants: dict, repro_dir: Path, log: JobLog) -> dict:
     """The incident's attribution, causal_chain, prescription and diagnosis
     fields, plus "apply" (the variant whose state would cure the failure);
     writes the reproducer into `repro_dir` for a software or hardware cause."""
     outcomes = {}
     for name, res in results.items():
-        clean, why = _clean(rt, plan, res)
+        clean, why = _clean(rt, plan, res, log)
         outcomes[name] = {"clean": clean, "reason": why,
                           "changed": {k: v for k, v in (variants.get(name) or {"trace": True}).items() if k != "name"},
                           "wall_s": max((r.get("wall_ns") or 0) for r in res) / 1e9}

@@ -22,12 +22,13 @@ verdict words) and the incident's directory (watcher/rundir.py).
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from ..incident import Incident, load_incident, save_incident
-from ..rundir import exchange_dir, read_json, write_json
+from ..rundir import IncidentDir, exchange_dir
 from ..runtime.seam import Rank
-from .plan import fallback_plan, make_plan
+from .plan import JobLog, fallback_plan, log_excerpt, make_plan
 from .recovery import diagnose_and_apply, recover
 from .rounds import WAIT_S, await_replays, remove_tree, replay_here, say
 from .verdict import DIAGNOSED, copy_outcome, decide
@@ -37,10 +38,11 @@ def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False) -> None
     ctl, k, iid = rt.ctl, rt.step, info["incident_id"]
     inc_dir = rt.rundir.incident_dir(iid).make()
     t_halt = time.monotonic_ns()
-    rt.flush()  # the replays and the verdict read every rank's window and logs from disk
-    write_json(inc_dir.arrive(rt.rank),
-               {"rank": rt.rank, "step": k, "snapshots": rt.usable_snapshots(), "pid": os.getpid(),
-                "unsupported": rt.unsupported, "copies": rt.copies.held() if rt.copies is not None else []})
+    rt.flush()  # the replays read every rank's window from disk
+    snaps, copies = rt.usable_snapshots(), rt.copies.held() if rt.copies is not None else []
+    rt.rundir.put(inc_dir.arrive(rt.rank),
+                  {"rank": rt.rank, "step": k, "snapshots": snaps, "pid": os.getpid(),
+                   "unsupported": rt.unsupported, "copies": copies, "log": log_excerpt(rt, snaps + copies, info)})
     ctl.arrive(rt.rank, seq, k)
     say(rt, f"incident {iid} ({info['kind']} at step {info['failing_step']}, rank {info['rank']}): "
             f"halted at step {k}, replaying")
@@ -49,13 +51,16 @@ def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False) -> None
     result_dir = None
     try:
         # At exit a peer that died first never arrives: do not hold the exit long.
-        ctl.wait(lambda: all(ctl.arrived(r)[0] == seq for r in range(rt.world)), 30 if final else WAIT_S,
-                 "every rank to halt")
+        ctl.wait(lambda: all(ctl.arrived(r)[0] == seq or ctl.gone(r) for r in range(rt.world)),
+                 30 if final else WAIT_S, "every rank to halt")
+        gone = [r for r in range(rt.world) if ctl.gone(r)]
+        if gone:
+            raise RuntimeError(f"rank(s) {gone} failed open and cannot replay; the incident is recorded, not replayed")
         if rt.rank == 0:
-            write_json(inc_dir.plan, make_plan(rt, info, inc_dir))
+            rt.rundir.put(inc_dir.plan, make_plan(rt, info, inc_dir))
             ctl.plan_seq = seq
         ctl.wait(lambda: ctl.plan_seq >= seq, WAIT_S, "the replay plan")
-        plan = read_json(inc_dir.plan)
+        plan = rt.rundir.get(inc_dir.plan)
         if plan.get("state_copy") is not None:
             # First the short window from the newest state copy; it stands
             # only if it proves itself (copy_outcome), else the fork's window.
@@ -65,18 +70,18 @@ def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False) -> None
             if rt.rank == 0:
                 await_replays(rt, quick)
                 try:
-                    outcome = copy_outcome(rt, info, plan, quick)
+                    outcome = copy_outcome(rt, info, plan, quick, JobLog.of(rt.rundir, inc_dir, rt.world))
                 except Exception as e:
                     outcome = {"accepted": False, "reason": f"the verdict failed: {e}"}
                 copied = outcome.pop("verdict", None)
                 if outcome["accepted"]:
                     save_incident(rt.rundir, copied)
                 else:
-                    outcome["plan"] = fallback_plan(rt, plan, outcome["reason"])
-                    write_json(inc_dir.plan, outcome["plan"])
-                write_json(quick.outcome, outcome)
-            ctl.wait(lambda: quick.outcome.exists(), WAIT_S, "the state copy's verdict")
-            outcome = read_json(quick.outcome)
+                    outcome["plan"] = fallback_plan(rt, plan, outcome["reason"], inc_dir)
+                    rt.rundir.put(inc_dir.plan, outcome["plan"])
+                rt.rundir.put(quick.outcome, outcome)
+            ctl.wait(lambda: rt.rundir.has(quick.outcome), WAIT_S, "the state copy's verdict")
+            outcome = rt.rundir.get(quick.outcome)
             remove_tree(exchange_dir(rt.window_dir, f"{iid}-copy"))
             if outcome["accepted"]:
                 result_dir = quick
@@ -89,7 +94,7 @@ def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False) -> None
             if rt.rank == 0:
                 await_replays(rt, inc_dir)
                 try:
-                    verdict = decide(rt, info, plan, inc_dir)
+                    verdict = decide(rt, info, plan, inc_dir, JobLog.of(rt.rundir, inc_dir, rt.world))
                 except Exception as e:
                     verdict = Incident.unclassified(info, plan, f"the verdict failed: {e}")
                 if plan.get("copy_attempt") and verdict.replay is not None:
@@ -102,13 +107,15 @@ def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False) -> None
     except Exception as e:  # never leave the peers waiting on this rank
         say(rt, f"incident {iid}: {e}; going on without a verdict")
         if rt.rank == 0:
-            if not inc_dir.plan.exists():
-                write_json(inc_dir.plan, {"failing_step": info["failing_step"], "from_step": None,
-                                          "to_step": info["failing_step"], "reason": str(e)})
+            if not rt.rundir.has(inc_dir.plan):
+                rt.rundir.put(inc_dir.plan, {"failing_step": info["failing_step"], "from_step": None,
+                                             "to_step": info["failing_step"], "reason": str(e)})
+            if not rt.rundir.has(rt.rundir.incident_path(iid)):
+                save_incident(rt.rundir, Incident.unclassified(info, {}, f"not replayed: {e}"))
             ctl.plan_seq = max(ctl.plan_seq, seq)
             ctl.verdict_seq = max(ctl.verdict_seq, seq)
-        elif not inc_dir.replayed(rt.rank).exists():
-            write_json(inc_dir.replayed(rt.rank), {"rank": rt.rank, "error": str(e)})
+        elif not rt.rundir.has(inc_dir.replayed(rt.rank)):
+            rt.rundir.put(inc_dir.replayed(rt.rank), {"rank": rt.rank, "error": str(e)})
     rt.incident_handled(seq)
     remove_tree(exchange_dir(rt.window_dir, iid))
     _go_on(rt, info, plan, inc_dir, result_dir, verdict, t_halt, final)
@@ -133,10 +140,29 @@ def _go_on(rt: Rank, info: dict, plan: dict, inc_dir, result_dir, verdict: Incid
         # diagnose` repeats it from the same state.
         start = plan.get("from_step")
         round0 = inc_dir.diagnosis_round(0)
-        if round0.exists():
-            start = read_json(round0).get("from_step", start)
+        if rt.rundir.has(round0):
+            start = rt.rundir.get(round0).get("from_step", start)
         if start is not None:
             rt.retain_snapshot(start, iid)
-    if rt.policy != "observe" and info["kind"] != "replay_check" and not final and not recovered:
+    _close(rt, inc_dir, iid)
+    # With no verdict (a peer failed open, a replay could not be planned) nothing
+    # is known to be wrong for good: the job goes on.
+    if verdict and rt.policy != "observe" and info["kind"] != "replay_check" and not final and not recovered:
         say(rt, f"stopping after incident {iid} (policy {rt.policy})")
         rt.stop_after_incident(iid)
+
+
+def _close(rt: Rank, inc_dir: IncidentDir, iid: str) -> None:
+    """On many nodes: once rank 0 has written the incident for the last time,
+    every other node's leader copies it into its own run directory."""
+    if rt.rundir.shared is None:
+        return
+    if rt.rank == 0:
+        rt.rundir.put(inc_dir.closed, {"incident_id": iid})
+    elif rt.rank == rt.local_ranks[0]:
+        try:
+            rt.ctl.wait(lambda: rt.rundir.has(inc_dir.closed), 60, "the incident's last word")
+            rt.rundir.get(inc_dir.closed)
+            load_incident(rt.rundir, iid)  # mirrors it here
+        except Exception as e:
+            print(f"watcher: rank {rt.rank}: incident {iid} not mirrored on this node: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..incident import load_incident, save_incident
-from ..rundir import IncidentDir, ReplayDir, read_json, write_json
+from ..rundir import IncidentDir, ReplayDir
 from ..runtime.seam import Rank
 from .diagnose import diagnose, record_affinity
 from .merge import merge_state
@@ -53,11 +53,12 @@ def recover(rt: Rank, info: dict, plan: dict, t_halt: int, result_dir: ReplayDir
     else:
         mine["error"] = rec.get("reason") or "no recovery was planned"
     mine["merge_s"] = round((time.monotonic_ns() - t0) / 1e9, 4)
-    write_json(result_dir.merged(rt.rank), mine)
+    rt.rundir.put(result_dir.merged(rt.rank), mine)
     if rt.rank == 0:
         try:
-            rt.ctl.wait(lambda: result_dir.all_merged(rt.world), WAIT_S, "every rank's merge")
-            merged = [read_json(result_dir.merged(r)) for r in range(rt.world)]
+            rt.ctl.wait(lambda: rt.rundir.has_all([result_dir.merged(r) for r in range(rt.world)]), WAIT_S,
+                        "every rank's merge")
+            merged = [rt.rundir.get(result_dir.merged(r)) for r in range(rt.world)]
         except Exception as e:
             merged = [{"rank": rt.rank, "ok": False, "error": str(e)}]
         ok = all(m.get("ok") for m in merged)
@@ -70,9 +71,9 @@ def recover(rt: Rank, info: dict, plan: dict, t_halt: int, result_dir: ReplayDir
                                 detect_to_resume_s=round((now - info["detected_ts"]) / 1e9, 3),
                                 halt_to_resume_s=round((now - t_halt) / 1e9, 3))
         save_incident(rt.rundir, verdict)
-        write_json(result_dir.recovery, {"ok": ok})
-    rt.ctl.wait(lambda: result_dir.recovery.exists(), WAIT_S, "the recovery outcome")
-    ok = bool(read_json(result_dir.recovery).get("ok"))
+        rt.rundir.put(result_dir.recovery, {"ok": ok})
+    rt.ctl.wait(lambda: rt.rundir.has(result_dir.recovery), WAIT_S, "the recovery outcome")
+    ok = bool(rt.rundir.get(result_dir.recovery).get("ok"))
     if ok:
         say(rt, f"incident {iid}: recovered; training resumes at step {plan['to_step'] + 1}, no step lost")
         rt.restart_history()  # the snapshots and window still hold the faulty live run
@@ -88,8 +89,8 @@ def diagnose_and_apply(rt: Rank, info: dict, plan: dict, inc_dir: IncidentDir, t
         outcome = diagnose(rt, info, plan, inc_dir)
     except Exception as e:
         say(rt, f"incident {info['incident_id']}: diagnosis failed: {e}")
-        if rt.rank == 0 and not inc_dir.diagnosis_done.exists():
-            write_json(inc_dir.diagnosis_done, {"apply": None, "error": str(e)})
+        if rt.rank == 0 and not rt.rundir.has(inc_dir.diagnosis_done):
+            rt.rundir.put(inc_dir.diagnosis_done, {"apply": None, "error": str(e)})
         outcome = None
     if not outcome or not outcome.get("apply"):
         return False

@@ -34,7 +34,7 @@ from ..incident import load_incident
 from ..rundir import ReplayDir, RunDir, read_json, write_json
 from ..runtime.control import process_state
 from .diagnose import conclude, plan_counterfactuals
-from .plan import replay_timeout_s, window_seconds
+from .plan import JobLog, replay_timeout_s, window_seconds
 from .rounds import load_results, remove_tree
 from .snapshot import replay_order
 from .verdict import DIAGNOSED
@@ -113,12 +113,13 @@ def rediagnose(run_dir: Path, incident_id: str | None = None, say=lambda msg: No
     out.mkdir(parents=True)
     t0 = time.monotonic()
     say(f"{iid}: replaying steps {plan['from_step']}..{to_step} from the retained snapshots")
-    trace = _replay_everywhere(run_dir, snaps, {"name": "trace", "trace": {"failing_step": k}}, plan, out, say)
+    trace = _replay_everywhere(rt, snaps, {"name": "trace", "trace": {"failing_step": k}}, plan, out, say)
     variants = plan_counterfactuals(rt, info, plan, trace)
     results = {"trace": trace}
     for var in variants:
-        results[var["name"]] = _replay_everywhere(run_dir, snaps, var, plan, out, say)
-    found = conclude(rt, info, plan, results, {v["name"]: v for v in variants}, out / "reproducer")
+        results[var["name"]] = _replay_everywhere(rt, snaps, var, plan, out, say)
+    found = conclude(rt, info, plan, results, {v["name"]: v for v in variants}, out / "reproducer",
+                     JobLog.of(run_dir, run_dir.incident_dir(iid), world))
     found.pop("apply")
     doc = {"incident_id": iid, "from_step": plan["from_step"], "to_step": to_step,
            "diagnosis_s": round(time.monotonic() - t0, 3), "window_s": round(window_s, 3), **found}
@@ -154,7 +155,7 @@ def _plain(x):
     return json.loads(json.dumps(x, default=str))
 
 
-def _replay_everywhere(run_dir: RunDir, snaps: list[dict], var: dict, plan: dict, out: Path, say) -> list[dict]:
+def _replay_everywhere(rt: OfflineRun, snaps: list[dict], var: dict, plan: dict, out: Path, say) -> list[dict]:
     """One variant, replayed by every rank's snapshot at once; their results."""
     name = var["name"]
     say(f"counterfactual replay {name}")
@@ -165,7 +166,7 @@ def _replay_everywhere(run_dir: RunDir, snaps: list[dict], var: dict, plan: dict
     for s in snaps:
         r = s["rank"]
         order = replay_order(r, plan["to_step"], vdir, exchange, plan["replay_timeout_s"], var, reply=vdir.reply(r))
-        write_json(run_dir.retained_orders(r) / f"{time.time_ns()}-{name}.json", order)
+        write_json(rt.rundir.retained_orders(r) / f"{time.time_ns()}-{name}.json", order)
     deadline = time.monotonic() + plan["replay_timeout_s"] + 30
     replies = [vdir.reply(s["rank"]) for s in snaps]
     while not all(p.exists() for p in replies):
@@ -177,7 +178,7 @@ def _replay_everywhere(run_dir: RunDir, snaps: list[dict], var: dict, plan: dict
         time.sleep(0.05)
     remove_tree(exchange)  # every rank's replayed inputs: large, read by nobody now
     # Results by rank index: the snapshots are one per rank, 0..world-1 (checked above).
-    return load_results(vdir, len(snaps))
+    return load_results(rt, vdir)
 
 
 def release(run_dir: Path) -> list[int]:

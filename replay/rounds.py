@@ -1,9 +1,13 @@
 """One round of replays across ranks, as the incident protocol and the
 diagnosis both run it: every rank replays its own snapshot into a ReplayDir
-and says how it ended; rank 0 waits for all of them and reads the results."""
+and says how it ended; rank 0 waits for all of them and reads the results.
+On a multi-node job the replays' collective inputs cross nodes through the
+job's store (relay.py), and each rank publishes its result for rank 0 (all
+of it but the end state, which only its own merge needs)."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import sys
@@ -11,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..rundir import ReplayDir, exchange_dir, write_json
+from ..rundir import ReplayDir, exchange_dir
 from ..runtime.seam import Rank
+from .relay import ExchangeRelay, assigned_pulls
 
 WAIT_S = float(os.environ.get("WATCHER_INCIDENT_WAIT", "600"))
 
@@ -25,6 +30,7 @@ def replay_here(rt: Rank, snap_step: int | None, to_step: int, out: ReplayDir, e
     how it ended goes to out.replayed(rank), with `facts` added."""
     mine = {"rank": rt.rank, **facts}
     exchange = exchange_dir(rt.window_dir, exchange_tag)
+    relay = None
     try:
         snap = rt.snapshot_at(snap_step) if snap_step is not None else None
         if snap_step is None:
@@ -33,27 +39,49 @@ def replay_here(rt: Rank, snap_step: int | None, to_step: int, out: ReplayDir, e
             mine["error"] = f"snapshot {snap_step} is gone"
         else:
             exchange.mkdir(exist_ok=True)
+            if rt.rundir.shared is not None:
+                relay = ExchangeRelay(rt.rundir.shared, exchange_tag, exchange, rt.rank,
+                                      assigned_pulls(rt.local_ranks, rt.world, rt.rank)).start()
             mine.update(snap.replay(to_step, out, timeout=timeout, exchange=exchange, variant=variant,
                                     state_copy=state_copy))
     except Exception as e:  # a dead snapshot, a broken pipe: this rank's replay failed, not the job
         mine["error"] = f"replay failed: {e}"
+    if relay is not None:
+        relay.finish(timeout)
+        mine["relayed_mb"] = round(relay.bytes_relayed / 2**20, 3)
     out.make()
-    write_json(out.replayed(rt.rank), mine)
+    _publish_result(rt, out)
+    rt.rundir.put(out.replayed(rt.rank), mine)
     if not keep_exchange:
         remove_tree(exchange)
 
 
+def _publish_result(rt: Rank, out: ReplayDir) -> None:
+    """For rank 0 on another node: the result without the end state."""
+    if rt.rundir.shared is None or not out.result(rt.rank).exists():
+        return
+    try:
+        res = torch.load(out.result(rt.rank), weights_only=False)
+    except Exception:
+        return
+    if "state" in res:
+        res["state"] = {"param_sum": res["state"].get("param_sum"), "elsewhere": True}
+    buf = io.BytesIO()
+    torch.save(res, buf)
+    rt.rundir.put_bytes(out.result(rt.rank), buf.getvalue())
+
+
 def await_replays(rt: Rank, out: ReplayDir, what: str = "every rank's replay") -> None:
     """Wait until every rank has said how its replay into `out` ended."""
-    rt.ctl.wait(lambda: out.all_replayed(rt.world), WAIT_S, what)
+    rt.ctl.wait(lambda: rt.rundir.has_all([out.replayed(r) for r in range(rt.world)]), WAIT_S, what)
 
 
-def load_results(out: ReplayDir, world: int) -> list[dict]:
-    """Every rank's replay result (steps, collectives, the end state)."""
+def load_results(rt: Rank, out: ReplayDir) -> list[dict]:
+    """Every rank's replay result (steps, collectives; the end state for this node's ranks)."""
     results = []
-    for r in range(world):
+    for r in range(rt.world):
         try:
-            results.append(torch.load(out.result(r), weights_only=False))
+            results.append(torch.load(io.BytesIO(rt.rundir.get_bytes(out.result(r))), weights_only=False))
         except Exception:
             results.append({"rank": r, "status": "no_result"})
     return results

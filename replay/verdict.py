@@ -18,7 +18,7 @@ import signal
 from ..incident import Incident
 from ..rundir import ReplayDir, read_json
 from ..runtime.seam import Rank
-from .plan import full_param_sum
+from .plan import JobLog, full_param_sum
 from .rounds import load_results
 
 # Persistent failures diagnosed by counterfactual replay (a hang or a crash is
@@ -26,10 +26,11 @@ from .rounds import load_results
 DIAGNOSED = ("non_finite", "loss_spike", "sdc")
 
 
-def decide(rt: Rank, info: dict, plan: dict, out: ReplayDir, results: list[dict] | None = None) -> Incident:
+def decide(rt: Rank, info: dict, plan: dict, out: ReplayDir, log: JobLog,
+           results: list[dict] | None = None) -> Incident:
     world = rt.world
-    replayed = [read_json(out.replayed(r)) for r in range(world)]
-    results = results if results is not None else load_results(out, world)
+    replayed = [rt.rundir.get(out.replayed(r)) for r in range(world)]
+    results = results if results is not None else load_results(rt, out)
     if plan.get("from_step") is None:
         return Incident.unclassified(info, plan, plan.get("reason"))
     verdict = Incident.unclassified(info, plan, "")
@@ -41,7 +42,7 @@ def decide(rt: Rank, info: dict, plan: dict, out: ReplayDir, results: list[dict]
     timed_out = [r for r in range(world) if replayed[r].get("timed_out")]
     exact = all(statuses[r] == "done" and all(s["match"] for s in results[r]["steps"].values())
                 and all(c["match"] for c in results[r]["colls"]) for r in range(world))
-    stall = find_stall(rt, plan) if info["kind"] == "hang" else None
+    stall = find_stall(rt, plan, log) if info["kind"] == "hang" else None
     if info["kind"] == "replay_check":  # a healthy window replayed on request: no failure to classify
         verdict.replay = {"reproduced": None, "exact": exact, "first_divergence": div,
                           "per_rank": {r: {"status": statuses[r], "steps": len(results[r].get("steps", {})),
@@ -90,11 +91,11 @@ def decide(rt: Rank, info: dict, plan: dict, out: ReplayDir, results: list[dict]
                                             f"{rt.detectors.transient_window} steps: hardware suspect"},
                        snapshot={"from_step": plan["from_step"], "retained": True})
     else:
-        verdict.recovery = recoverable(rt, plan, results)
+        verdict.recovery = recoverable(rt, plan, results, log)
     return verdict
 
 
-def copy_outcome(rt: Rank, info: dict, plan: dict, out: ReplayDir) -> dict:
+def copy_outcome(rt: Rank, info: dict, plan: dict, out: ReplayDir, log: JobLog) -> dict:
     """Does the replay from a state copy stand as the incident's replay?
 
     The copy carries the training state but not the program's own Python
@@ -105,8 +106,8 @@ def copy_outcome(rt: Rank, info: dict, plan: dict, out: ReplayDir) -> dict:
     failure is confirmed and diagnosed from the fork snapshot itself, whose
     state is the live rank's whole state.  Returns {"accepted", "reason",
     "verdict" (an Incident)}."""
-    results = load_results(out, rt.world)
-    verdict = decide(rt, info, plan, out, results)
+    results = load_results(rt, out)
+    verdict = decide(rt, info, plan, out, log, results)
     first = plan["from_step"] + 1
     # Every step before the fault must replay as recorded: up to the first
     # localised divergence, or up to the failing step when there is none.
@@ -140,9 +141,9 @@ def copy_outcome(rt: Rank, info: dict, plan: dict, out: ReplayDir) -> dict:
     return {"accepted": reason is None, "reason": reason, "verdict": verdict}
 
 
-def find_stall(rt: Rank, plan: dict) -> dict | None:
+def find_stall(rt: Rank, plan: dict, log: JobLog) -> dict | None:
     """The collective that waited longest in the window, and the rank that entered it last."""
-    colls = [rt.rundir.read_colls(r, since=plan.get("from_step")) for r in range(rt.world)]
+    colls = [log.colls(r) for r in range(rt.world)]
     lo, hi = (plan.get("from_step") or -1), plan["failing_step"]
     best = None
     for key, c in colls[0].items():
@@ -175,7 +176,7 @@ def earlier_transients(rt: Rank, rank: int, step: int) -> list[str]:
     return found
 
 
-def recoverable(rt: Rank, plan: dict, results: list[dict]) -> dict:
+def recoverable(rt: Rank, plan: dict, results: list[dict], log: JobLog) -> dict:
     """Can the replayed end state replace the live one?  It must be complete,
     computed (not copied from a record that may carry the fault), finite,
     unremarkable to the detectors, and the same on every replica."""
@@ -191,9 +192,9 @@ def recoverable(rt: Rank, plan: dict, results: list[dict]) -> dict:
     for r, res in enumerate(results):
         # Each rank's replayed losses against that rank's own recorded history.
         detectors = copy.deepcopy(rt.detectors)
-        recorded = rt.rundir.read_steps(r, since=plan["failing_step"] - detectors.loss_spike_window - 1)
-        detectors.history = [recorded[s]["loss"] for s in sorted(recorded) if s < plan["failing_step"]
-                             and recorded[s].get("loss") is not None and math.isfinite(recorded[s]["loss"])
+        recorded = log.losses(r)
+        detectors.history = [recorded[s] for s in sorted(recorded) if s < plan["failing_step"]
+                             and recorded[s] is not None and math.isfinite(recorded[s])
                              ][-detectors.loss_spike_window:]
         for k in range(plan["from_step"] + 1, to + 1):
             fp = res["steps"].get(k)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from .errors import RecordingError
-from .rundir import RunDir, read_json, write_json
+from .rundir import RunDir, read_json
 
 INCIDENT_VERSION = 1
 
@@ -85,11 +85,11 @@ _FIELDS = {f.name for f in fields(Incident)}
 
 def save_incident(run_dir: RunDir, inc: Incident) -> None:
     """The one writer of incident documents (atomic: a reader never sees half of one)."""
-    write_json(run_dir.incident_path(inc.incident_id), inc.to_dict())
+    run_dir.put(run_dir.incident_path(inc.incident_id), inc.to_dict())
 
 
 def load_incident(run_dir: RunDir, incident_id: str) -> Incident:
-    return Incident.from_dict(read_json(run_dir.incident_path(incident_id)))
+    return Incident.from_dict(run_dir.get(run_dir.incident_path(incident_id)))
 
 
 def load_incidents(run_dir: RunDir) -> list[Incident]:

@@ -144,15 +144,13 @@ class ReplayDir:
     def summary(self) -> Path:
         return self.path / "result.json"
 
-    def all_replayed(self, world: int) -> bool:
-        return all(self.replayed(r).exists() for r in range(world))
-
-    def all_merged(self, world: int) -> bool:
-        return all(self.merged(r).exists() for r in range(world))
-
 
 class IncidentDir(ReplayDir):
     """An incident's own directory: its replays, the state copy's, the diagnosis'."""
+
+    @property
+    def closed(self) -> Path:
+        return self.path / "closed.json"
 
     @property
     def from_copy(self) -> ReplayDir:
@@ -272,6 +270,19 @@ class RunDir:
 
     def error_log(self, rank: int) -> Path:
         return self.runtime / f"rank{rank}.error"
+
+    def refusal(self, rank: int) -> Path:
+        """Why protection (snapshots, replay) is off for a rank, when it is."""
+        return self.runtime / f"rank{rank}.unprotected.json"
+
+    def refusals(self) -> list[dict]:
+        out = []
+        for p in sorted(self.runtime.glob("rank*.unprotected.json")):
+            try:
+                out.append(read_json(p))
+            except (OSError, ValueError):
+                continue
+        return out
 
     def skipped_log(self, rank: int) -> Path:
         return self.runtime / f"rank{rank}.skipped.jsonl"

@@ -33,6 +33,7 @@ SLOT = 32 + RING * 16
 RING_AT = 32
 PAUSE_RUNTIME, PAUSE_RECORDER = 1, 2  # bits of the `paused` word
 SIZE = HEADER + MAX_RANKS * SLOT
+GONE = -2  # a slot's arrived word when its rank failed open
 _Q = struct.Struct("<q")
 _QQ = struct.Struct("<qq")
 
@@ -113,6 +114,13 @@ class Control:
     def arrived(self, rank: int) -> tuple[int, int]:
         return _QQ.unpack_from(self.mm, HEADER + rank * SLOT)
 
+    def mark_gone(self, rank: int) -> None:
+        """This rank's runtime failed open: it will arrive at no incident."""
+        _Q.pack_into(self.mm, HEADER + rank * SLOT, GONE)
+
+    def gone(self, rank: int) -> bool:
+        return _Q.unpack_from(self.mm, HEADER + rank * SLOT)[0] == GONE
+
     COPY_WANT, FORK_WANT = 16, 24  # where in its slot a rank publishes the interval it wants
 
     def agree_interval(self, rank: int, world: int, want: int, word: int = COPY_WANT) -> int:
@@ -153,6 +161,8 @@ class Control:
         return read_json(opened_incident_file(self.dir, seq))
 
     def wait(self, cond, timeout: float, what: str, poll: float = 0.002) -> None:
+        if self.link is not None:
+            poll = max(poll, 0.01)  # the condition may ask the job's store: no busier than that
         deadline = time.monotonic() + timeout
         while not cond():
             if time.monotonic() > deadline:

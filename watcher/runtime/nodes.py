@@ -142,10 +142,16 @@ class NodeLink:
     # -- the relay (leader only) ---------------------------------------------------------------
     def start_relay(self) -> None:
         self.relay_store = connect(self.layout)
-        threading.Thread(target=self._relay, name="watcher-node-relay", daemon=True).start()
+        self.relay_thread = threading.Thread(target=self._relay, name="watcher-node-relay", daemon=True)
+        self.relay_thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """End the relay and wait for it: a thread still inside the store's C++
+        when the interpreter finalizes aborts the rank (see RankRuntime.quiesce)."""
         self.stopped.set()
+        t = getattr(self, "relay_thread", None)
+        if t is not None:
+            t.join(timeout)
 
     def _relay(self) -> None:
         others = [f"node/{n}" for n in range(self.layout.nodes) if n != self.layout.node]

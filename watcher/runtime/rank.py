@@ -42,6 +42,7 @@ from . import collectives, inject, relink, remedies, transport
 from .checksum import PARTS, ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum
 from .collectives import computed_in_replay
 from .control import PAUSE_RUNTIME, Control, process_state
+from .nodes import NodeLayout, NodeLink
 from .samples import row_digests, without_rows
 from .training import optimizer_params, scan_training_objects
 from .window import END_OF_DATA, SegmentWriter, segment_paths, segment_step
@@ -112,6 +113,9 @@ class RankRuntime:
         # `watcher run --replay-check STEP`: replay a healthy window on purpose.
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
         self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
+        self.link = None              # nodes.NodeLink on a multi-node job
+        self.local_ranks = list(range(self.world))  # the global ranks on this node
+        self.halt_margin = 1          # steps from detection to the halt
         self._forking_snapshot = False  # between ForkSnapshot.take's fork and its return (see _child_is_not_a_rank)
         self.detectors = Detectors.from_env()
         budget = _env_float("WATCHER_SNAPSHOT_BUDGET", 1.0) / 100.0
@@ -141,6 +145,11 @@ class RankRuntime:
             self.close()  # snapshots and the window serve nothing any more
         except Exception:
             pass
+        try:  # the peers must not wait for this rank at an incident, nor for its checksums
+            if self.active:
+                self.ctl.mark_gone(self.rank)
+        except Exception:
+            pass
         try:
             with open(self.rundir.error_log(self.rank), "a") as f:
                 f.write("".join(traceback.format_exception(e)))
@@ -164,17 +173,44 @@ class RankRuntime:
         cap = min(float(os.environ.get("WATCHER_WINDOW_MAX_MB", "4096")) * (1 << 20),
                   shutil.disk_usage(self.window_dir).free / 4 / local)
         self.seg = SegmentWriter(self.window_dir, self.rank, max_bytes=int(cap))
+        self._link_nodes()
         self.handled_seq = self.ctl.incident_seq
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        if local_world != self.world and self.unsupported is None:
-            # The control block is per node; halting across nodes is not built.
-            self.unsupported = (f"multi-node job ({self.world} ranks, {local_world} on this node): capture "
-                                "and detection go on; snapshots and replay are off")
         self.watchdog = threading.Thread(target=self._watchdog, name="watcher-watchdog", daemon=True)
         self.watchdog.start()
         # A normal exit lets the snapshots go at once; after a crash they
         # outlive the rank briefly, for a crash replay.
         atexit.register(self.at_exit)
+
+    def _link_nodes(self) -> None:
+        """On a multi-node job, link this node's control block and run
+        directory to the job's through its c10d store (nodes.py)."""
+        layout = NodeLayout.from_env()
+        if layout is None:
+            return
+        try:
+            self.link = NodeLink(self.ctl, layout)
+        except Exception as e:
+            self.refuse(f"multi-node job ({self.world} ranks, {layout.local_world} on this node): the job's store "
+                        f"at {layout.master_addr}:{layout.master_port} is unreachable ({e}); capture and detection "
+                        "go on, snapshots and replay are off")
+            return
+        self.ctl.link = self.link
+        self.rundir.shared = self.link.store
+        self.local_ranks = layout.local_ranks()
+        self.halt_margin = 2  # see nodes.py: the leader learns of an incident one step later
+        if layout.leader:
+            self.link.start_relay()
+
+    def refuse(self, reason: str) -> None:
+        """Protection is off for this rank: say so once, on the job's stderr and in the run directory."""
+        if self.unsupported is not None:
+            return
+        self.unsupported = reason
+        print(f"watcher: rank {self.rank}: {reason}", file=sys.stderr, flush=True)
+        try:
+            write_json(self.rundir.refusal(self.rank), {"rank": self.rank, "reason": reason, "ts": time.time()})
+        except OSError:
+            pass
 
     def is_paused(self) -> bool:
         """Watcher paused for an overhead measurement (the control block's
@@ -397,8 +433,14 @@ class RankRuntime:
         self.ctl.beacon(self.rank, k, fp["param_sum"])
         incident = self.detect(fp)
         if incident:
-            incident.update(rank=self.rank, halt_step=k + 1, detected_ts=fp["ts"], unsupported=self.unsupported)
+            incident.update(rank=self.rank, halt_step=k + self.halt_margin, detected_ts=fp["ts"],
+                            unsupported=self.unsupported)
             self.ctl.open_incident(incident)
+        if self.link is not None and self.link.layout.leader:
+            try:
+                self.link.sync()  # the job's incidents reach this node before its ranks end the next step
+            except Exception:
+                self.link.errors += 1
         open_incident = self.ctl.incident_seq > self.handled_seq
         fork_due = not open_incident and self.unsupported is None and self.snap_policy.due(k, self)
         if (not fork_due and not open_incident and self.copies is not None and self.snapshots
@@ -498,8 +540,9 @@ class RankRuntime:
         """SDC: under DDP every rank holds the same parameters after each step."""
         if self.world < 2:
             return None
+        here = [r for r in range(self.world) if not self.ctl.gone(r)]  # a rank that failed open reports nothing
         for s in range(max(self.sdc_checked + 1, k - 7), k + 1):
-            sums = [self.ctl.beacon_at(r, s) for r in range(self.world)]
+            sums = [self.ctl.beacon_at(r, s) for r in here]
             if any(v is None for v in sums):
                 break
             self.sdc_checked = s
@@ -626,7 +669,7 @@ class RankRuntime:
                     ends = [self.ctl.latest_step(r) for r in range(self.world)]
                     self.ctl.open_incident({
                         "kind": "hang", "rank": self.rank, "failing_step": max(ends) + 1,
-                        "halt_step": max(ends) + 2, "detected_ts": time.monotonic_ns(),
+                        "halt_step": max(ends) + 1 + self.halt_margin, "detected_ts": time.monotonic_ns(),
                         "detail": {"no_progress_s": round(stalled, 3), "limit_s": round(limit, 3),
                                    "last_step_by_rank": ends}})
                 if self.waiting:
@@ -687,9 +730,12 @@ class RankRuntime:
         deadline = time.monotonic() + timeout
         while self.callbacks_held and time.monotonic() < deadline:
             time.sleep(0.001)
-        # A retry thread waits inside gloo's C++ as well: the same applies.
+        # A retry thread waits inside gloo's C++ as well: the same applies,
+        # and to the node relay inside the store's client.
         for t in self.retries:
             t.join(max(deadline - time.monotonic(), 0))
+        if self.link is not None:
+            self.link.stop(max(deadline - time.monotonic(), 0.5))
 
     def _at_exit(self) -> None:
         if self.abnormal_exit and self.mode == "live" and self.active and not self.disabled:
@@ -909,9 +955,8 @@ def _refuse_functional_collectives() -> None:
         def refused(*args, _real=real, _name=name, **kwargs):
             rt = RUNTIME
             if rt is not None and not rt.disabled and rt.unsupported is None:
-                rt.unsupported = (f"functional collectives ({_name}) bypass Watcher's process-group wrapper; "
-                                  "recording goes on, snapshots and replay are off for this run")
-                print(f"watcher: rank {rt.rank}: {rt.unsupported}", file=sys.stderr, flush=True)
+                rt.refuse(f"functional collectives ({_name}) bypass Watcher's process-group wrapper; "
+                          "recording goes on, snapshots and replay are off for this run")
                 rt.close()
             return _real(*args, **kwargs)
         setattr(funcol, name, refused)

@@ -22,6 +22,7 @@ class Rank(Protocol):
     # -- what replay may read ---------------------------------------------------------------
     rank: int
     world: int
+    local_ranks: list        # the global ranks on this node
     run_dir: Path            # the run directory's root
     rundir: object           # the same, as a watcher.rundir.RunDir
     window_dir: Path         # the replay window's segments (tmpfs)

@@ -1,0 +1,85 @@
+"""Two simulated nodes on one machine: network namespaces joined by a veth
+pair (pyroute2), with addresses that exist only inside them and no route
+out.  Used by tests/test_multinode.py and `just bench scale`.  Needs root."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pyroute2 import IPRoute, NetNS, netns
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 22
+ADDRS = ("10.231.7.1", "10.231.7.2")
+
+
+class TwoNodes:
+    """Two network namespaces joined by a veth pair."""
+
+    def __init__(self):
+        tag = f"{os.getpid() % 100000}"
+        self.names = [f"wn{i}-{tag}" for i in (0, 1)]
+        self.ifnames = [f"wv{i}-{tag}" for i in (0, 1)]
+        self.port = 20000 + os.getpid() % 20000
+
+    def __enter__(self) -> "TwoNodes":
+        try:
+            for n in self.names:
+                netns.create(n)
+            with IPRoute() as ip:
+                ip.link("add", ifname=self.ifnames[0], kind="veth", peer=self.ifnames[1])
+                for i in (0, 1):
+                    ip.link("set", index=ip.link_lookup(ifname=self.ifnames[i])[0], net_ns_fd=self.names[i])
+            for i in (0, 1):
+                with NetNS(self.names[i]) as ns:
+                    ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+                    idx = ns.link_lookup(ifname=self.ifnames[i])[0]
+                    ns.addr("add", index=idx, address=ADDRS[i], prefixlen=24)
+                    ns.link("set", index=idx, state="up")
+        except Exception:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for n in self.names:
+            try:
+                netns.remove(n)
+            except Exception:
+                pass
+
+    def job(self, node: int, save: Path | None, steps: int = STEPS, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                "--nproc_per_node=2", f"--master_addr={ADDRS[0]}", f"--master_port={self.port}",
+                "-m", "watcher.workloads.ddp_lm", f"--steps={steps}", *([f"--save={save}"] if save else []), *extra]
+
+    def run_both(self, cmds: list[list[str]], timeout: float = 900) -> list[subprocess.CompletedProcess]:
+        """Each command in its node's namespace, at once; their results."""
+        procs = []
+        for i, cmd in enumerate(cmds):
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=self.ifnames[i], OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE,
+                                          preexec_fn=lambda n=self.names[i]: netns.setns(n)))
+        out = []
+        for p in procs:
+            try:
+                so, se = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                so, se = p.communicate()
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+        return out
+
+    def watched(self, tmp: Path, faults, policy: str = "recover") -> list[list[str]]:
+        """`watcher run` on each node (the library API: only it injects drill faults)."""
+        code = ("import json, sys; from pathlib import Path; from watcher.run import RunConfig, run; "
+                "a = json.loads(sys.argv[1]); "
+                "r = run(RunConfig(cmd=a['cmd'], out=Path(a['out']), policy=a['policy'], snapshot_interval=4, "
+                "copy_interval=0, inject=a['faults'], quiet=True)); sys.exit(r.exit_code)")
+        return [[sys.executable, "-c", code, json.dumps({"cmd": self.job(i, tmp / f"w{i}.pt"), "out": str(tmp / f"node{i}"),
+                                                          "faults": faults, "policy": policy})] for i in (0, 1)]

@@ -1,0 +1,75 @@
+"""Many nodes: a 2-node x 2-rank job, each node a network namespace made here
+with pyroute2 (one veth pair, 10.231.x addresses that exist only inside the
+two namespaces, no route out), each with its own launcher (torchrun
+--nnodes=2), its own `watcher run` and its own run directory.  The nodes
+share nothing but that link.  Ground truth: the faults injected on a rank of
+node 1, and a fault-free 2-node run of the same job in the same namespaces.
+The namespaces are removed at the end, whatever happens."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, needs_bpf
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from two_nodes import TwoNodes  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    if os.geteuid() != 0:
+        pytest.fail("network namespaces need root")
+    with TwoNodes() as n:
+        yield n
+
+
+@pytest.fixture(scope="module")
+def fault_free(nodes, tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("plain2")
+    done = nodes.run_both([nodes.job(i, d / f"p{i}.pt") for i in (0, 1)])
+    assert [p.returncode for p in done] == [0, 0], done[1].stderr[-2000:]
+    return (d / "p0.pt.sha256").read_text()
+
+
+def _incidents(tmp: Path) -> list[dict]:
+    return [json.loads((tmp / f"node{i}" / "incidents" / "inc-0001.json").read_text()) for i in (0, 1)]
+
+
+@needs_bpf
+def test_a_transient_on_node_1_is_replayed_across_nodes_and_merged(nodes, fault_free, tmp_path):
+    fault = {"scenario": "allreduce_corrupt", "rank": 3, "step": 12}
+    done = nodes.run_both(nodes.watched(tmp_path, fault))
+    assert [p.returncode for p in done] == [0, 0], done[0].stderr[-3000:] + done[1].stderr[-3000:]
+    # The job ends as if the fault never happened: no rank restarted, no step lost.
+    assert (tmp_path / "w0.pt.sha256").read_text() == fault_free
+    node0, node1 = _incidents(tmp_path)
+    for inc in (node0, node1):  # each node's run directory holds the same incident, by global ranks
+        assert inc["incident_id"] == "inc-0001" and inc["classification"] == "transient"
+        d = inc["replay"]["first_divergence"]
+        assert (d["rank"], d["step"], d["where"]) == (3, 12, "communication")
+        assert (inc["recovered"], inc["steps_lost"]) == (True, 0)
+        assert sorted(inc["replay"]["per_rank"]) == ["0", "1", "2", "3"]
+    assert node0 == node1
+    # The replays of node 1's ranks met node 0's over the link.
+    relayed = [json.loads((tmp_path / f"node{i}" / "incidents" / "inc-0001" / f"replayed.rank{r}.json").read_text())
+               for i in (0, 1) for r in (2 * i, 2 * i + 1)]
+    assert all(x.get("relayed_mb", 0) > 0 for x in relayed)
+
+
+@needs_bpf
+def test_a_persistent_fault_is_diagnosed_across_nodes_as_on_one(nodes, tmp_path):
+    fault = {"scenario": "bad_op", "rank": 3, "step": 12}
+    done = nodes.run_both(nodes.watched(tmp_path, fault))
+    assert [p.returncode for p in done] == [1, 1]  # torchrun's "a rank failed": every rank stopped by Watcher
+    node0, node1 = _incidents(tmp_path)
+    for inc in (node0, node1):
+        assert (inc["kind"], inc["classification"]) == ("non_finite", "persistent")
+        assert inc["attribution"]["cause"] == "software"
+        assert (inc["prescription"]["action"], inc["prescription"]["op"]) == ("fix_kernel", "aten::div.Tensor")
+    assert node0 == node1
