@@ -57,14 +57,15 @@ class TwoNodes:
                 "--nproc_per_node=2", f"--master_addr={ADDRS[0]}", f"--master_port={self.port}",
                 "-m", "watcher.workloads.ddp_lm", f"--steps={steps}", *([f"--save={save}"] if save else []), *extra]
 
+    def start(self, node: int, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """A command in the node's namespace (gloo told to use the node's link)."""
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=self.ifnames[node], OMP_NUM_THREADS="1")
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, text=True,
+                                preexec_fn=lambda n=self.names[node]: netns.setns(n), **kwargs)
+
     def run_both(self, cmds: list[list[str]], timeout: float = 900) -> list[subprocess.CompletedProcess]:
         """Each command in its node's namespace, at once; their results."""
-        procs = []
-        for i, cmd in enumerate(cmds):
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=self.ifnames[i], OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE,
-                                          preexec_fn=lambda n=self.names[i]: netns.setns(n)))
+        procs = [self.start(i, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i, cmd in enumerate(cmds)]
         out = []
         for p in procs:
             try:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, needs_bpf
+from .conftest import ROOT, needs_bpf, watcher
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from two_nodes import TwoNodes  # noqa: E402
+from two_nodes import STEPS, TwoNodes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,12 @@ def test_a_transient_on_node_1_is_replayed_across_nodes_and_merged(nodes, fault_
     relayed = [json.loads((tmp_path / f"node{i}" / "incidents" / "inc-0001" / f"replayed.rank{r}.json").read_text())
                for i in (0, 1) for r in (2 * i, 2 * i + 1)]
     assert all(x.get("relayed_mb", 0) > 0 for x in relayed)
+    # One view over the nodes: the job as one, ranks by global rank, nodes named.
+    report = watcher("report", str(tmp_path / "node0"), str(tmp_path / "node1"), check=True).stdout.splitlines()
+    assert report[:2] == [f"4 rank(s), {STEPS} steps, 1 incident(s)", "2 nodes: node0 (ranks 0..1), node1 (ranks 2..3)"]
+    rows = watcher("sql", str(tmp_path / "node0" / "recording.duckdb"), str(tmp_path / "node1" / "recording.duckdb"),
+                   "SELECT rank, count(*) AS n FROM step GROUP BY 1 ORDER BY 1", "--format", "json", check=True).stdout
+    assert [(r["rank"], r["n"]) for r in json.loads(rows)] == [(r, STEPS) for r in range(4)]
 
 
 @needs_bpf

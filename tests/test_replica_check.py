@@ -10,10 +10,10 @@ from watcher.runtime.checksum import PARTS
 from watcher.runtime.rank import RankRuntime
 
 
-def _rank(beacons: dict) -> SimpleNamespace:
-    """The state check_replicas reads: two ranks' beacons {(rank, step): sum}."""
-    ctl = SimpleNamespace(beacon_at=lambda r, s: beacons.get((r, s)))
-    return SimpleNamespace(world=2, sdc_checked=-1, replicated=None, replica_votes=0, ctl=ctl,
+def _rank(beacons: dict, world: int = 2, gone: tuple = ()) -> SimpleNamespace:
+    """The state check_replicas reads: the ranks' beacons {(rank, step): sum}, and who failed open."""
+    ctl = SimpleNamespace(beacon_at=lambda r, s: beacons.get((r, s)), gone=lambda r: r in gone)
+    return SimpleNamespace(world=world, sdc_checked=-1, replicated=None, replica_votes=0, ctl=ctl,
                            detectors=Detectors())
 
 
@@ -53,3 +53,16 @@ def test_a_peer_not_yet_reported_leaves_the_step_for_later():
     rt = _rank(beacons)
     assert _check(rt, beacons, range(6)) == []
     assert rt.sdc_checked == 2 and rt.replicated is None and rt.replica_votes == 3
+
+
+def test_a_rank_that_failed_open_is_left_out_not_waited_for():
+    # Rank 1's runtime failed open at step 3: it reports nothing more.  Ranks 0
+    # and 2 go on being checked, and rank 2's drift at step 8 is still SDC.
+    beacons = {(r, s): 7 * s for r in (0, 2) for s in range(10)}
+    beacons.update({(1, s): 7 * s for s in range(3)})
+    beacons[(2, 8)] = 5
+    rt = _rank(beacons, world=3, gone=(1,))
+    hits = _check(rt, beacons, range(10))
+    assert rt.replicated is True
+    assert [(h["kind"], h["failing_step"]) for h in hits] == [("sdc", 8)]
+    assert hits[0]["detail"]["param_sums"] == {0: 56, 2: 5}

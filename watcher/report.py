@@ -20,10 +20,22 @@ RANK_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"
 
 
 def load(recs: Recordings) -> dict:
+    """One job from one node's recording or several nodes' (each node's run
+    directory holds the same incident documents: each is shown once)."""
     _, inc_rows = recs.query("SELECT json FROM incident ORDER BY incident_id")
     _, step_rows = recs.query("SELECT rank, step, ts, dur, loss, grad_norm, watcher_us FROM step ORDER BY rank, step")
     _, coll_rows = recs.query("SELECT rank, group_name, seq, op, step, ts, dur FROM collective_io ORDER BY rank, ts")
-    return {"incidents": [json.loads(r[0]) for r in inc_rows],
+    _, off_rows = recs.query("SELECT DISTINCT rank, reason FROM protection ORDER BY rank")
+    nodes = []
+    if len(recs.paths) > 1:
+        _, by_node = recs.query("SELECT recording, min(rank), max(rank), count(DISTINCT rank) FROM step GROUP BY 1 ORDER BY 1")
+        nodes = [{"name": _node_name(recs.paths[i]), "ranks": (lo, hi), "count": n} for i, lo, hi, n in by_node]
+    incidents = {}
+    for (doc,) in inc_rows:
+        inc = json.loads(doc)
+        incidents.setdefault(inc["incident_id"], inc)
+    return {"incidents": list(incidents.values()), "nodes": nodes,
+            "unprotected": [{"rank": r, "reason": why} for r, why in off_rows],
             "steps": [dict(zip(("rank", "step", "ts", "dur", "loss", "grad_norm", "watcher_us"), r)) for r in step_rows],
             "colls": [dict(zip(("rank", "group", "seq", "op", "step", "ts", "dur"), r)) for r in coll_rows]}
 
@@ -69,10 +81,21 @@ def describe_prescription(p: dict) -> str:
     return text
 
 
+def _node_name(path) -> str:
+    """A recording's node: its run directory's name (DIR/recording.duckdb), else the file's."""
+    p = Path(path)
+    return p.parent.name if p.name == "recording.duckdb" else p.stem
+
+
 def text_report(data: dict) -> str:
     ranks = sorted({s["rank"] for s in data["steps"]})
     steps = len({s["step"] for s in data["steps"]})
     out = [f"{len(ranks)} rank(s), {steps} steps, {len(data['incidents'])} incident(s)"]
+    if data.get("nodes"):
+        out.append(f"{len(data['nodes'])} nodes: " + ", ".join(
+            f"{n['name']} (ranks {n['ranks'][0]}..{n['ranks'][1]})" for n in data["nodes"]))
+    for off in data.get("unprotected") or []:
+        out.append(f"protection off on rank {off['rank']}: {off['reason']}")
     cost = own_cost(data["steps"])
     if cost is not None:
         out.append(f"Watcher's own time in the ranks: {100 * cost:.1f}% of step time (median over steps)")

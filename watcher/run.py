@@ -175,6 +175,8 @@ def run(cfg: RunConfig) -> RunResult:
     steps = count_steps(run_dir.recording)
     code = result.target_exit or 0
     if not cfg.quiet:
+        for off in run_dir.refusals():
+            print(f"watcher: protection was off on rank {off['rank']}: {off['reason']}", file=sys.stderr)
         for inc in incidents:
             print(describe(inc), file=sys.stderr)
     _reap_orphans()
@@ -369,6 +371,8 @@ def ingest(run_dir: RunDir) -> list[dict]:
                         continue
                     sandbox_rows.append((inc["incident_id"], rank, e["ts"], e["pid"], e["syscall"], e.get("fd"),
                                          e["action"]))
+    off_rows = [(r["rank"], r["reason"], r.get("ts")) for r in run_dir.refusals()]
     write_run_tables(run_dir.recording, {"step": step_rows, "collective_io": coll_rows, "incident": inc_rows,
-                                         "sandbox_event": sandbox_rows, "causal_link": chain_rows})
+                                         "sandbox_event": sandbox_rows, "causal_link": chain_rows,
+                                         "protection": off_rows})
     return incidents

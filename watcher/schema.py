@@ -291,6 +291,12 @@ TABLES: tuple[Table, ...] = (
         C("fd", "INTEGER", "Inherited descriptor, where the call takes one."),
         C("action", "VARCHAR", "denied (EPERM), swallowed (reported done, nothing happened), or redirected to /dev/null."),
     )),
+    Table("protection", "Ranks of a `watcher run` job on which snapshots and replay were off, and why "
+          "(functional collectives, an unreachable store, ...): said at once on the job's stderr, never silent.", (
+        C("rank", "INTEGER", "Global rank."),
+        C("reason", "VARCHAR", "Why, in words, and what still runs."),
+        C("unix_time", "DOUBLE", "When the rank found out (Unix time, s)."),
+    )),
     Table("prune", "Data removed to respect --max-size or --ring-minutes; what is missing, never silently.", (
         C("ts", TS, "When the prune happened."),
         C("table_name", "VARCHAR", "Table rows were removed from."),

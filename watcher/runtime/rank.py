@@ -559,7 +559,7 @@ class RankRuntime:
                 continue
             if self.replicated and not same and self.detectors.sdc:
                 return {"kind": "sdc", "failing_step": s,
-                        "detail": {"param_sums": dict(enumerate(sums))}}
+                        "detail": {"param_sums": dict(zip(here, sums))}}
         return None
 
     # -- snapshots ----------------------------------------------------------------------------
