@@ -15,8 +15,8 @@ keeps its keys under a prefix of its own there:
     x/<tag>/<rank>/...                    a replay's collective inputs (replay/relay.py)
 
 The node's leader (local rank 0) runs a relay thread that publishes its
-node's slots and copies the other nodes' into the local block every few
-milliseconds, so replica checks, interval agreement and arrival waits read
+node's slots and copies the other nodes' into the local block every 20 ms
+(unchanged ones skipped), so replica checks, interval agreement and arrival waits read
 the mmap as on one node.  Opening an incident is a compare-and-set on
 incident_seq.  The one hard guarantee, that no rank steps past the halt step,
 comes from the leader reading the store at every step end (one round trip,
@@ -42,7 +42,10 @@ import torch.distributed as dist
 from ..rundir import write_json
 from .control import HEADER, RING, RING_AT, SLOT, Control
 
-RELAY_EVERY_S = 0.005
+# The relay's period: replica checks tolerate a lag of several steps (they
+# look back 7) and arrival waits are the cold path; every period costs the
+# leader a few store round trips and the other nodes' slots copied in.
+RELAY_EVERY_S = 0.02
 WORDS = ("incident_seq", "plan_seq", "verdict_seq")
 _QQ = struct.Struct("<qq")
 _Q = struct.Struct("<q")
@@ -155,12 +158,19 @@ class NodeLink:
 
     def _relay(self) -> None:
         others = [f"node/{n}" for n in range(self.layout.nodes) if n != self.layout.node]
+        seen: dict[str, bytes] = {}
+        mine = b""
         while not self.stopped.wait(RELAY_EVERY_S):
             try:
-                self.relay_store.set(f"node/{self.layout.node}", self._local_slots())
-                if others:
-                    for blob in self.relay_store.multi_get(others) if self.relay_store.check(others) else []:
-                        self._adopt_slots(blob)
+                blob = self._local_slots()
+                if blob != mine:
+                    self.relay_store.set(f"node/{self.layout.node}", blob)
+                    mine = blob
+                if others and self.relay_store.check(others):
+                    for key, blob in zip(others, self.relay_store.multi_get(others)):
+                        if seen.get(key) != blob:  # a node whose ranks moved on
+                            self._adopt_slots(blob)
+                            seen[key] = blob
                 self._sync_words(self.relay_store)
             except Exception:
                 self.errors += 1  # the store went away (the job is ending); keep trying quietly
