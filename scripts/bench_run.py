@@ -48,10 +48,11 @@ from watcher.rundir import read_steps  # noqa: E402
 from watcher.run import POLICIES  # noqa: E402
 
 WARMUP = 10
+RANKS = 2  # --ranks
 
 
 def job(steps: int, times: Path, batch: int | None = None) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
             "-m", "watcher.workloads.ddp_lm", f"--steps={steps}", f"--step-times={times}",
             *([f"--batch={batch}"] if batch else [])]
 
@@ -299,9 +300,13 @@ def main() -> None:
                     help="what the 'off' windows switch off (default all of Watcher; runtime or recorder "
                     "alone split the overhead between them)")
     ap.add_argument("--policy", choices=POLICIES, help="watcher run --policy (default: watcher run's own)")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks of the reference workload (one node; "
+                    "`just bench scale` compares world sizes and 2 nodes side by side)")
     ap.add_argument("--batch", type=int, help="sequences per rank per step in the windows' job (default the "
                     "workload's 8; more makes steps longer with the same model and collectives)")
     args = ap.parse_args()
+    global RANKS
+    RANKS = args.ranks
     if args.out is None:
         args.out = str(ROOT / "bench-results" / ("run-windows.json" if args.windows_only else "run.json"))
     with tempfile.TemporaryDirectory(prefix="watcher-bench-run-") as d:
