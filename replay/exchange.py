@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..runtime.window import decode, encode, framed
-from .reduction import ring_reduce, ring_reduce_into
+from .reduction import COMPUTED_OPS, ring_reduce, ring_reduce_into
 
 TAG = 0x5843  # exchange files are never recycled; any fixed tag does
 
@@ -129,6 +129,8 @@ def compute_outputs(meta: dict, inputs: list[list[torch.Tensor]], outs: list[tor
     cannot compute."""
     op, world = meta["op"], len(inputs)
     red = meta.get("reduce_op") or "SUM"
+    if red not in COMPUTED_OPS:
+        return False
     if op == "barrier":
         return True
     if op in ("allreduce", "allreduce_coalesced"):

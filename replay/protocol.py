@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 from ..incident import Incident, load_incident, save_incident
 from ..rundir import IncidentDir, exchange_dir
@@ -145,9 +146,7 @@ def _go_on(rt: Rank, info: dict, plan: dict, inc_dir, result_dir, verdict: Incid
         if start is not None:
             rt.retain_snapshot(start, iid)
     _close(rt, inc_dir, iid)
-    # With no verdict (a peer failed open, a replay could not be planned) nothing
-    # is known to be wrong for good: the job goes on.
-    if verdict and rt.policy != "observe" and info["kind"] != "replay_check" and not final and not recovered:
+    if rt.policy != "observe" and info["kind"] != "replay_check" and not final and not recovered:
         say(rt, f"stopping after incident {iid} (policy {rt.policy})")
         rt.stop_after_incident(iid)
 
@@ -159,10 +158,14 @@ def _close(rt: Rank, inc_dir: IncidentDir, iid: str) -> None:
         return
     if rt.rank == 0:
         rt.rundir.put(inc_dir.closed, {"incident_id": iid})
-    elif rt.rank == rt.local_ranks[0]:
+    else:
         try:
             rt.ctl.wait(lambda: rt.rundir.has(inc_dir.closed), 60, "the incident's last word")
-            rt.rundir.get(inc_dir.closed)
-            load_incident(rt.rundir, iid)  # mirrors it here
+            if rt.rank == rt.local_ranks[0]:
+                rt.rundir.get(inc_dir.closed, mirror=True)
+                load_incident(rt.rundir, iid, mirror=True)
         except Exception as e:
             print(f"watcher: rank {rt.rank}: incident {iid} not mirrored on this node: {e}", file=sys.stderr)
+    # Every replay of the incident is over on every node: their exchange directories can go.
+    for d in Path(rt.window_dir).glob(f"exchange-{iid}*"):
+        remove_tree(d)

@@ -68,7 +68,10 @@ def recover(rt: Rank, info: dict, plan: dict, t_halt: int, result_dir: ReplayDir
         verdict.recovery = dict(rec, merged=merged, retried=any(m.get("tries", 0) > 1 for m in merged),
                                 reason=None if ok else next((f"rank {m['rank']}: {m.get('error')}" for m in merged
                                                              if not m.get("ok")), rec.get("reason")),
-                                detect_to_resume_s=round((now - info["detected_ts"]) / 1e9, 3),
+                                # Wall clock when the detecting rank gave one: its monotonic
+                                # clock is another node's on a multi-node job.
+                                detect_to_resume_s=round(time.time() - info["detected_unix"], 3)
+                                if info.get("detected_unix") else round((now - info["detected_ts"]) / 1e9, 3),
                                 halt_to_resume_s=round((now - t_halt) / 1e9, 3))
         save_incident(rt.rundir, verdict)
         rt.rundir.put(result_dir.recovery, {"ok": ok})

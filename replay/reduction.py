@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 MAX_SEGMENT_BYTES = 1 << 20  # gloo's AllreduceOptions::kMaxSegmentSize
+COMPUTED_OPS = ("SUM", "PRODUCT", "MAX", "MIN")  # the reduce ops replayed here; others keep their outputs
 
 
 def _combine(op: str, mine: torch.Tensor, received: torch.Tensor) -> torch.Tensor:

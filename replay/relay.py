@@ -50,11 +50,25 @@ class ExchangeRelay:
         self.own_done.set()
         self.thread.join(timeout)
         self.stop.set()
+        if not self._ended:  # whatever happened, the pullers of our stream must not wait for more
+            try:
+                self.store.set(f"{self.tag}/{self.rank}/end", "1")
+                self._ended = True
+            except Exception:
+                pass
 
     def _run(self) -> None:
+        errors = 0
         while not self.stop.is_set():
-            moved = self._push(final=self.own_done.is_set())
-            moved |= self._pull()
+            try:
+                moved = self._push(final=self.own_done.is_set())
+                moved |= self._pull()
+            except Exception:  # a file gone, the store busy: try again, a few times
+                errors += 1
+                if errors > 50:
+                    return
+                time.sleep(0.05)
+                continue
             if self.own_done.is_set() and all(self.done_pull.values()) and not moved:
                 self._push(final=True)
                 return

@@ -52,7 +52,9 @@ def replay_here(rt: Rank, snap_step: int | None, to_step: int, out: ReplayDir, e
     out.make()
     _publish_result(rt, out)
     rt.rundir.put(out.replayed(rt.rank), mine)
-    if not keep_exchange:
+    if not keep_exchange and rt.rundir.shared is None:
+        # On many nodes the node's exchange directory serves its other ranks'
+        # relays until every replay is over: removed when the incident closes.
         remove_tree(exchange)
 
 

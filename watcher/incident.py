@@ -88,8 +88,9 @@ def save_incident(run_dir: RunDir, inc: Incident) -> None:
     run_dir.put(run_dir.incident_path(inc.incident_id), inc.to_dict())
 
 
-def load_incident(run_dir: RunDir, incident_id: str) -> Incident:
-    return Incident.from_dict(run_dir.get(run_dir.incident_path(incident_id)))
+def load_incident(run_dir: RunDir, incident_id: str, mirror: bool = False) -> Incident:
+    """The document; with `mirror`, also copied into this node's run directory (RunDir.get)."""
+    return Incident.from_dict(run_dir.get(run_dir.incident_path(incident_id), mirror=mirror))
 
 
 def load_incidents(run_dir: RunDir) -> list[Incident]:

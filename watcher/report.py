@@ -33,7 +33,9 @@ def load(recs: Recordings) -> dict:
     incidents = {}
     for (doc,) in inc_rows:
         inc = json.loads(doc)
-        incidents.setdefault(inc["incident_id"], inc)
+        have = incidents.get(inc["incident_id"])
+        if have is None or (have.get("classification") is None and inc.get("classification") is not None):
+            incidents[inc["incident_id"]] = inc  # one per incident: the node's copy with a verdict
     return {"incidents": list(incidents.values()), "nodes": nodes,
             "unprotected": [{"rank": r, "reason": why} for r, why in off_rows],
             "steps": [dict(zip(("rank", "step", "ts", "dur", "loss", "grad_norm", "watcher_us"), r)) for r in step_rows],

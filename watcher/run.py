@@ -320,8 +320,8 @@ def _unfinished_incidents(run_dir: RunDir) -> None:
     replay, with the recorder's view of where each rank was blocked."""
     for _, p in run_dir.opened_incidents():
         info = read_json(p)
-        if run_dir.incident_path(info["incident_id"]).exists():
-            continue
+        if run_dir.incident_path(info["incident_id"]).exists() or info.get("resolved"):
+            continue  # written up, or recovered where it happened (on another node's rank, on many nodes)
         blocked = None
         try:
             with Recordings([run_dir.recording]) as recs:

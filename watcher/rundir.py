@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -59,7 +60,7 @@ TAIL_BLOCK = 1 << 20
 
 
 def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}.{threading.get_ident()}")
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, default=str)
     os.replace(tmp, path)
@@ -231,12 +232,16 @@ class RunDir:
         if self.shared is not None:
             self.shared.set(self._key(path), json.dumps(obj, default=str))
 
-    def get(self, path: Path):
-        """The document: the job's copy on many nodes (mirrored here), else the file."""
+    def get(self, path: Path, mirror: bool = False):
+        """The document: the job's copy on many nodes, else the file.  With
+        `mirror` the job's copy is also written here (a node's leader does
+        that once the incident is over: earlier, a stale copy read from the
+        store could overwrite a newer one this node just wrote)."""
         if self.shared is not None and self.shared.check([self._key(path)]):
             obj = json.loads(self.shared.get(self._key(path)))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(path, obj)
+            if mirror:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json(path, obj)
             return obj
         return read_json(path)
 

@@ -135,7 +135,8 @@ def computed_in_replay(meta: dict) -> bool:
     """Does a replay compute this collective's outputs (replay/exchange.py),
     so the record keeps only their checksum?  An all-to-all with uneven
     splits keeps its outputs."""
-    return meta["op"] in COMPUTED_IN_REPLAY and not meta.get("splits")
+    return (meta["op"] in COMPUTED_IN_REPLAY and not meta.get("splits")
+            and meta.get("reduce_op", "SUM") in ("SUM", "PRODUCT", "MAX", "MIN"))
 
 
 # Collectives whose transport overwrites their inputs as it goes.

@@ -132,10 +132,15 @@ class Control:
 
     # -- incidents ----------------------------------------------------------------------
     def mirror(self, incident: int | None = None, plan: int | None = None, verdict: int | None = None) -> None:
-        """Raise the header words to the job's (they only grow)."""
-        for i, v in ((2, plan), (3, verdict), (1, incident)):  # the incident last: its file is already there
-            if v is not None and v > self._get(i):
-                self._set(i, v)
+        """Raise the header words to the job's (they only grow; under the
+        block's lock, so a slower writer never lowers one)."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            for i, v in ((2, plan), (3, verdict), (1, incident)):  # the incident last: its file is already there
+                if v is not None and v > self._get(i):
+                    self._set(i, v)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def incident_path(self, seq: int) -> Path:
         return opened_incident_file(self.dir, seq)

@@ -34,6 +34,7 @@ import os
 import struct
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -75,10 +76,13 @@ class NodeLayout:
             local_world = int(env.get("LOCAL_WORLD_SIZE", world))
             if local_world >= world or local_world < 1:
                 return None
-            return cls(rank=int(env["RANK"]), world=world, local_rank=int(env.get("LOCAL_RANK", 0)),
-                       local_world=local_world, node=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
-                       nodes=world // local_world, master_addr=env["MASTER_ADDR"],
-                       master_port=int(env["MASTER_PORT"]), run_id=env.get("TORCHELASTIC_RUN_ID", "job"))
+            rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
+            # Ranks are laid out node by node (torchrun, Slurm, Kubernetes):
+            # this node's are RANK - LOCAL_RANK onwards.
+            return cls(rank=rank, world=world, local_rank=local_rank, local_world=local_world,
+                       node=(rank - local_rank) // local_world, nodes=world // local_world,
+                       master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]),
+                       run_id=env.get("TORCHELASTIC_RUN_ID", "job"))
         except (KeyError, ValueError):
             return None
 
@@ -106,9 +110,14 @@ class NodeLink:
         self.store = store if store is not None else connect(layout)
         for w in WORDS:
             self.store.add(w, 0)  # created at 0 by the first rank; a no-op after
+        for n in range(layout.nodes):
+            self.store.add(f"nodever/{n}", 0)  # so a leader never waits on a node that has not published
         self.relay_store = None
         self.stopped = threading.Event()
         self.errors = 0
+        # The leader's main thread (sync at step end) and its relay both raise
+        # the local words: one at a time, or a slower one could lower them.
+        self._sync_lock = threading.Lock()
 
     # -- the hot path (leader only, at every step end) ---------------------------------------
     def sync(self) -> None:
@@ -117,12 +126,18 @@ class NodeLink:
         self._sync_words(self.store)
 
     def _sync_words(self, store) -> None:
-        incident, plan, verdict = (int(v) for v in store.multi_get(list(WORDS)))
-        have = self.ctl.incident_seq
-        for seq in range(have + 1, incident + 1):
-            info = json.loads(store.get(f"incident/{seq}"))
-            write_json(self.ctl.incident_path(seq), info)
-        self.ctl.mirror(incident=incident, plan=plan, verdict=verdict)
+        with self._sync_lock:
+            incident, plan, verdict = (int(v) for v in store.multi_get(list(WORDS)))
+            have = self.ctl.incident_seq
+            for seq in range(have + 1, incident + 1):
+                key = f"incident/{seq}"
+                if not store.check([key]):  # claimed before the words move: never waited for
+                    incident = seq - 1
+                    break
+                info = json.loads(store.get(key))
+                info.pop("claim", None)
+                write_json(self.ctl.incident_path(seq), info)
+            self.ctl.mirror(incident=incident, plan=plan, verdict=verdict)
 
     # -- cold path ---------------------------------------------------------------------------
     def open_incident(self, info: dict) -> int | None:
@@ -130,10 +145,15 @@ class NodeLink:
         if cur > verdict:
             return None  # one incident at a time, job-wide
         seq = cur + 1
-        if self.store.compare_set("incident_seq", str(cur), str(seq)).decode() != str(seq):
-            return None  # another rank opened one first
         info = dict(info, seq=seq, incident_id=f"inc-{seq:04d}")
-        self.store.set(f"incident/{seq}", json.dumps(info))
+        # Claim the incident's key with a payload only this call has: the
+        # compare-and-set answers with the key's value, which is ours only if
+        # no other rank claimed it first.  The words move after the claim, so
+        # whoever sees the new seq finds its info there.
+        payload = json.dumps(dict(info, claim=uuid.uuid4().hex))
+        if self.store.compare_set(f"incident/{seq}", "", payload).decode() != payload:
+            return None  # another rank opened this one first
+        self.store.compare_set("incident_seq", str(cur), str(seq))
         write_json(self.ctl.incident_path(seq), info)
         self.ctl.mirror(incident=seq)
         return seq
@@ -157,30 +177,44 @@ class NodeLink:
             t.join(timeout)
 
     def _relay(self) -> None:
-        others = [f"node/{n}" for n in range(self.layout.nodes) if n != self.layout.node]
-        seen: dict[str, bytes] = {}
+        # Each node's slots go with a version counter: a period reads the
+        # others' counters (a few bytes each) and fetches only what changed.
+        others = [n for n in range(self.layout.nodes) if n != self.layout.node]
+        seen: dict[int, int] = {}
         mine = b""
         while not self.stopped.wait(RELAY_EVERY_S):
             try:
                 blob = self._local_slots()
                 if blob != mine:
                     self.relay_store.set(f"node/{self.layout.node}", blob)
+                    self.relay_store.add(f"nodever/{self.layout.node}", 1)
                     mine = blob
-                if others and self.relay_store.check(others):
-                    for key, blob in zip(others, self.relay_store.multi_get(others)):
-                        if seen.get(key) != blob:  # a node whose ranks moved on
-                            self._adopt_slots(blob)
-                            seen[key] = blob
+                if others:
+                    vers = self.relay_store.multi_get([f"nodever/{n}" for n in others])
+                    for n, v in zip(others, vers):
+                        if int(v) and seen.get(n) != int(v):  # a node whose ranks moved on
+                            self._adopt_slots(self.relay_store.get(f"node/{n}"))
+                            seen[n] = int(v)
                 self._sync_words(self.relay_store)
             except Exception:
                 self.errors += 1  # the store went away (the job is ending); keep trying quietly
                 time.sleep(0.1)
 
     def _local_slots(self) -> bytes:
+        """This node's slots; a ring entry caught mid-write (its rank writes
+        step -1, the checksum, then the step) goes out as absent, never as an
+        old step paired with a new checksum."""
         mm = self.ctl.mm
         out = bytearray()
         for r in self.layout.local_ranks():
-            out += _Q.pack(r) + mm[HEADER + r * SLOT: HEADER + (r + 1) * SLOT]
+            base = HEADER + r * SLOT
+            slot = bytearray(mm[base: base + SLOT])
+            for i in range(RING):
+                off = RING_AT + i * 16
+                step, value = _QQ.unpack_from(slot, off)
+                if step < 0 or _Q.unpack_from(mm, base + off)[0] != step:
+                    _QQ.pack_into(slot, off, -1, 0)
+            out += _Q.pack(r) + slot
         return bytes(out)
 
     def _adopt_slots(self, blob: bytes) -> None:

@@ -186,6 +186,10 @@ class RankRuntime:
         directory to the job's through its c10d store (nodes.py)."""
         layout = NodeLayout.from_env()
         if layout is None:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world) or self.world)
+            if local_world < self.world:
+                self.refuse(f"multi-node job ({self.world} ranks, {local_world} on this node) with no store address "
+                            "(MASTER_ADDR, MASTER_PORT): capture and detection go on, snapshots and replay are off")
             return
         try:
             self.link = NodeLink(self.ctl, layout)
@@ -194,12 +198,18 @@ class RankRuntime:
                         f"at {layout.master_addr}:{layout.master_port} is unreachable ({e}); capture and detection "
                         "go on, snapshots and replay are off")
             return
+        if layout.leader:
+            try:
+                self.link.start_relay()
+            except Exception as e:
+                self.link = None
+                self.refuse(f"multi-node job: cannot start this node's relay to the job's store ({e}); capture "
+                            "and detection go on, snapshots and replay are off")
+                return
         self.ctl.link = self.link
         self.rundir.shared = self.link.store
         self.local_ranks = layout.local_ranks()
         self.halt_margin = 2  # see nodes.py: the leader learns of an incident one step later
-        if layout.leader:
-            self.link.start_relay()
 
     def refuse(self, reason: str) -> None:
         """Protection is off for this rank: say so once, on the job's stderr and in the run directory."""
@@ -434,7 +444,7 @@ class RankRuntime:
         incident = self.detect(fp)
         if incident:
             incident.update(rank=self.rank, halt_step=k + self.halt_margin, detected_ts=fp["ts"],
-                            unsupported=self.unsupported)
+                            detected_unix=time.time(), unsupported=self.unsupported)
             self.ctl.open_incident(incident)
         if self.link is not None and self.link.layout.leader:
             try:
@@ -670,6 +680,7 @@ class RankRuntime:
                     self.ctl.open_incident({
                         "kind": "hang", "rank": self.rank, "failing_step": max(ends) + 1,
                         "halt_step": max(ends) + 1 + self.halt_margin, "detected_ts": time.monotonic_ns(),
+                        "detected_unix": time.time(),
                         "detail": {"no_progress_s": round(stalled, 3), "limit_s": round(limit, 3),
                                    "last_step_by_rank": ends}})
                 if self.waiting:
