@@ -121,7 +121,7 @@ def _average_gradients(opt):
     def average(o, args, kwargs):
         if o is not opt:
             return
-        grads = [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in optimizer_params(o) if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([t.reshape(-1) for t in grads])
