@@ -31,7 +31,7 @@ from ..rundir import IncidentDir, exchange_dir
 from ..runtime.seam import Rank
 from .plan import JobLog, fallback_plan, log_excerpt, make_plan
 from .recovery import diagnose_and_apply, recover
-from .rounds import WAIT_S, await_replays, remove_tree, replay_here, say
+from .rounds import WAIT_S, await_replays, forget_published, remove_tree, replay_here, say
 from .verdict import DIAGNOSED, copy_outcome, decide
 
 
@@ -166,6 +166,8 @@ def _close(rt: Rank, inc_dir: IncidentDir, iid: str) -> None:
                 load_incident(rt.rundir, iid, mirror=True)
         except Exception as e:
             print(f"watcher: rank {rt.rank}: incident {iid} not mirrored on this node: {e}", file=sys.stderr)
-    # Every replay of the incident is over on every node: their exchange directories can go.
+    # Every replay of the incident is over on every node: their exchange
+    # directories and what they put in the job's store can go.
     for d in Path(rt.window_dir).glob(f"exchange-{iid}*"):
         remove_tree(d)
+    forget_published(rt, iid)

@@ -57,6 +57,11 @@ class ExchangeRelay:
             except Exception:
                 pass
 
+    def keys(self) -> list[str]:
+        """Every key this rank's stream used in the store."""
+        base = f"{self.tag}/{self.rank}"
+        return [f"{base}/{i}" for i in range(self.pushed)] + [f"{base}/n", f"{base}/end"]
+
     def _run(self) -> None:
         errors = 0
         while not self.stop.is_set():

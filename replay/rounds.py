@@ -20,6 +20,10 @@ from ..runtime.seam import Rank
 from .relay import ExchangeRelay, assigned_pulls
 
 WAIT_S = float(os.environ.get("WATCHER_INCIDENT_WAIT", "600"))
+# What this rank put in the job's store during an incident's rounds (its
+# relayed exchange chunks, its published results), dropped once the incident
+# is over on every node (forget_published): the store's host keeps it in memory.
+_published: list[tuple[str, list[str]]] = []
 
 
 def replay_here(rt: Rank, snap_step: int | None, to_step: int, out: ReplayDir, exchange_tag: str, timeout: float,
@@ -49,8 +53,10 @@ def replay_here(rt: Rank, snap_step: int | None, to_step: int, out: ReplayDir, e
     if relay is not None:
         relay.finish(timeout)
         mine["relayed_mb"] = round(relay.bytes_relayed / 2**20, 3)
+        _published.append((exchange_tag, relay.keys()))
     out.make()
-    _publish_result(rt, out)
+    if _publish_result(rt, out):
+        _published.append((exchange_tag, [rt.rundir.key(out.result(rt.rank))]))
     rt.rundir.put(out.replayed(rt.rank), mine)
     if not keep_exchange and rt.rundir.shared is None:
         # On many nodes the node's exchange directory serves its other ranks'
@@ -58,19 +64,35 @@ def replay_here(rt: Rank, snap_step: int | None, to_step: int, out: ReplayDir, e
         remove_tree(exchange)
 
 
-def _publish_result(rt: Rank, out: ReplayDir) -> None:
+def _publish_result(rt: Rank, out: ReplayDir) -> bool:
     """For rank 0 on another node: the result without the end state."""
     if rt.rundir.shared is None or not out.result(rt.rank).exists():
-        return
+        return False
     try:
         res = torch.load(out.result(rt.rank), weights_only=False)
     except Exception:
-        return
+        return False
     if "state" in res:
         res["state"] = {"param_sum": res["state"].get("param_sum"), "elsewhere": True}
     buf = io.BytesIO()
     torch.save(res, buf)
     rt.rundir.put_bytes(out.result(rt.rank), buf.getvalue())
+    return True
+
+
+def forget_published(rt: Rank, incident_id: str) -> None:
+    """Drop from the job's store what this rank published for the incident's rounds."""
+    keep = []
+    for tag, keys in _published:
+        if tag == incident_id or tag.startswith(incident_id + "-"):
+            for k in keys:
+                try:
+                    rt.rundir.shared.delete_key(k)
+                except Exception:
+                    pass
+        else:
+            keep.append((tag, keys))
+    _published[:] = keep
 
 
 def await_replays(rt: Rank, out: ReplayDir, what: str = "every rank's replay") -> None:

@@ -76,11 +76,12 @@ class TwoNodes:
             out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
         return out
 
-    def watched(self, tmp: Path, faults, policy: str = "recover") -> list[list[str]]:
+    def watched(self, tmp: Path, faults, policy: str = "recover", detect: dict | None = None) -> list[list[str]]:
         """`watcher run` on each node (the library API: only it injects drill faults)."""
         code = ("import json, sys; from pathlib import Path; from watcher.run import RunConfig, run; "
                 "a = json.loads(sys.argv[1]); "
                 "r = run(RunConfig(cmd=a['cmd'], out=Path(a['out']), policy=a['policy'], snapshot_interval=4, "
-                "copy_interval=0, inject=a['faults'], quiet=True)); sys.exit(r.exit_code)")
+                "copy_interval=0, inject=a['faults'], detect=a['detect'], quiet=True)); sys.exit(r.exit_code)")
         return [[sys.executable, "-c", code, json.dumps({"cmd": self.job(i, tmp / f"w{i}.pt"), "out": str(tmp / f"node{i}"),
-                                                          "faults": faults, "policy": policy})] for i in (0, 1)]
+                                                          "faults": faults, "policy": policy,
+                                                          "detect": detect or {}})] for i in (0, 1)]

@@ -79,3 +79,17 @@ def test_a_persistent_fault_is_diagnosed_across_nodes_as_on_one(nodes, tmp_path)
         assert inc["attribution"]["cause"] == "software"
         assert (inc["prescription"]["action"], inc["prescription"]["op"]) == ("fix_kernel", "aten::div.Tensor")
     assert node0 == node1
+
+
+@needs_bpf
+def test_a_rank_stalled_on_node_1_is_a_hang_found_in_seconds_and_recovered(nodes, fault_free, tmp_path):
+    fault = {"scenario": "stall", "seconds": 4, "rank": 3, "step": 12}
+    done = nodes.run_both(nodes.watched(tmp_path, fault, detect={"hang_seconds": 1.5}))
+    assert [p.returncode for p in done] == [0, 0], done[0].stderr[-3000:] + done[1].stderr[-3000:]
+    assert (tmp_path / "w0.pt.sha256").read_text() == fault_free
+    node0, node1 = _incidents(tmp_path)
+    assert node0 == node1
+    assert (node0["kind"], node0["classification"], node0["transient_cause"]) == ("hang", "transient", "timeout")
+    stall = node0["replay"]["stall"]
+    assert (stall["rank"], stall["step"]) == (3, 12)  # the rank that entered the collective late, across nodes
+    assert (node0["recovered"], node0["steps_lost"]) == (True, 0)

@@ -273,8 +273,16 @@ def _crash_incident(run_dir: RunDir) -> Incident | None:
                               {"how": how, "pid": crashed["pid"], "exit_code": crashed["exit_code"],
                                "exit_signal": crashed["exit_signal"]},
                               snaps[-1] if snaps else None, last + 1)
-    if snaps:
-        world = max(r["rank"] for r in ranks) + 1
+    job = read_json(run_dir.job) if run_dir.job.exists() else {}
+    world = job.get("world") or max(r["rank"] for r in ranks) + 1
+    elsewhere = sorted(set(range(world)) - set(job.get("local_ranks") or range(world)))
+    if snaps and elsewhere:
+        # The crashed rank's collectives need every rank's replay, and the
+        # other nodes' snapshots (and the job's store) are out of reach now.
+        verdict.replay = {"reproduced": None, "first_divergence": None,
+                          "reason": f"a crash replay needs every rank's snapshot; ranks {elsewhere[0]}.."
+                                    f"{elsewhere[-1]} were on other nodes"}
+    elif snaps:
         verdict.replay = _crash_replay(run_dir, rank, world, snaps[-1], last + 1, inc_dir)
         classify_crash(verdict)
     else:

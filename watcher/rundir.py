@@ -224,21 +224,22 @@ class RunDir:
         return self
 
     # -- documents the ranks trade (through the job's store on many nodes) ------------------------
-    def _key(self, path: Path) -> str:
+    def key(self, path: Path) -> str:
+        """A document's key in the job's store."""
         return "run/" + str(Path(path).relative_to(self.root))
 
     def put(self, path: Path, obj) -> None:
         write_json(path, obj)
         if self.shared is not None:
-            self.shared.set(self._key(path), json.dumps(obj, default=str))
+            self.shared.set(self.key(path), json.dumps(obj, default=str))
 
     def get(self, path: Path, mirror: bool = False):
         """The document: the job's copy on many nodes, else the file.  With
         `mirror` the job's copy is also written here (a node's leader does
         that once the incident is over: earlier, a stale copy read from the
         store could overwrite a newer one this node just wrote)."""
-        if self.shared is not None and self.shared.check([self._key(path)]):
-            obj = json.loads(self.shared.get(self._key(path)))
+        if self.shared is not None and self.shared.check([self.key(path)]):
+            obj = json.loads(self.shared.get(self.key(path)))
             if mirror:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_json(path, obj)
@@ -252,18 +253,18 @@ class RunDir:
         missing = [p for p in paths if not Path(p).exists()]
         if not missing:
             return True
-        return self.shared is not None and self.shared.check([self._key(p) for p in missing])
+        return self.shared is not None and self.shared.check([self.key(p) for p in missing])
 
     def put_bytes(self, path: Path, data: bytes) -> None:
         """Bytes for the other nodes only (this node has the file they come from)."""
         if self.shared is not None:
-            self.shared.set(self._key(path), data)
+            self.shared.set(self.key(path), data)
 
     def get_bytes(self, path: Path) -> bytes:
         if Path(path).exists():
             return Path(path).read_bytes()
-        if self.shared is not None and self.shared.check([self._key(path)]):
-            return self.shared.get(self._key(path))
+        if self.shared is not None and self.shared.check([self.key(path)]):
+            return self.shared.get(self.key(path))
         raise FileNotFoundError(path)
 
     # -- written by the ranks -----------------------------------------------------------------
@@ -275,6 +276,11 @@ class RunDir:
 
     def error_log(self, rank: int) -> Path:
         return self.runtime / f"rank{rank}.error"
+
+    @property
+    def job(self) -> Path:
+        """The job as this node's ranks see it: {"world", "local_ranks"}."""
+        return self.runtime / "job.json"
 
     def refusal(self, rank: int) -> Path:
         """Why protection (snapshots, replay) is off for a rank, when it is."""

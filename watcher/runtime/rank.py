@@ -174,6 +174,10 @@ class RankRuntime:
                   shutil.disk_usage(self.window_dir).free / 4 / local)
         self.seg = SegmentWriter(self.window_dir, self.rank, max_bytes=int(cap))
         self._link_nodes()
+        try:
+            write_json(self.rundir.job, {"world": self.world, "local_ranks": self.local_ranks})
+        except OSError:
+            pass
         self.handled_seq = self.ctl.incident_seq
         self.watchdog = threading.Thread(target=self._watchdog, name="watcher-watchdog", daemon=True)
         self.watchdog.start()
