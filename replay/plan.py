@@ -14,9 +14,9 @@ from ..rundir import IncidentDir, RunDir
 from ..runtime.seam import Rank
 
 
-def window_seconds(steps: dict, from_step: int, to_step: int) -> float:
-    """How long steps from_step+1..to_step took live, from one rank's steps log."""
-    return sum((steps.get(s, {}).get("dur") or 0) for s in range(from_step + 1, to_step + 1)) / 1e9
+def window_seconds(durations: dict, from_step: int, to_step: int) -> float:
+    """How long steps from_step+1..to_step took live, from one rank's step durations (ns)."""
+    return sum((durations.get(s) or 0) for s in range(from_step + 1, to_step + 1)) / 1e9
 
 
 def replay_timeout_s(window_s: float) -> float:
@@ -82,10 +82,6 @@ class JobLog:
         return {(c["group"], c["seq"]): c for c in (self.arrived[rank].get("log") or {}).get("colls") or []}
 
 
-def window_seconds_of(durations: dict, from_step: int, to_step: int) -> float:
-    return sum((durations.get(s) or 0) for s in range(from_step + 1, to_step + 1)) / 1e9
-
-
 def make_plan(rt: Rank, info: dict, inc_dir: IncidentDir) -> dict:
     k = info["failing_step"]
     log = JobLog.of(rt.rundir, inc_dir, rt.world)
@@ -129,7 +125,7 @@ def newest_usable_copy(log: JobLog, fork: int, failing: int) -> int | None:
 
 
 def _timed(plan: dict, durations: dict) -> dict:
-    window_s = window_seconds_of(durations, plan["from_step"], plan["to_step"])
+    window_s = window_seconds(durations, plan["from_step"], plan["to_step"])
     plan["replay_timeout_s"] = replay_timeout_s(window_s)
     plan["window_wall_s"] = round(window_s, 3)
     return plan

@@ -106,7 +106,8 @@ def rediagnose(run_dir: Path, incident_id: str | None = None, say=lambda msg: No
     to_step = (inc.get("diagnosis") or {}).get("to_step") or inc["window"]["to_step"]
     info = {"incident_id": iid, "failing_step": k, "rank": inc["detected_rank"], "kind": inc["kind"],
             "detected_ts": inc.get("detected_ts")}
-    window_s = window_seconds(run_dir.read_steps(0), snaps[0]["step"], to_step)
+    durations = {s: fp.get("dur") for s, fp in run_dir.read_steps(0).items()}
+    window_s = window_seconds(durations, snaps[0]["step"], to_step)
     plan = {"failing_step": k, "from_step": snaps[0]["step"], "to_step": to_step,
             "replay_timeout_s": replay_timeout_s(window_s)}
     out = run_dir.incident_dir(iid).new_rediagnosis()

@@ -16,6 +16,7 @@ import torch.nn as nn
 from watcher.runtime.training import modules_holding
 from watcher.replay.state_copy import CopyPolicy, CopyUnusable, StateCopies
 from watcher.runtime.control import AGREE_EVERY
+from watcher.runtime.rank import RankRuntime
 
 
 def make_job(seed: int = 0):
@@ -29,19 +30,15 @@ def make_job(seed: int = 0):
 
 
 class FakeRank:
-    """What state copies read of a rank and ask of it (runtime/seam.py)."""
+    """What state copies read of a rank and ask of it (runtime/seam.py); the
+    counters are the runtime's own methods."""
+
+    counters = RankRuntime.counters
+    restore_counters = RankRuntime.restore_counters
 
     def __init__(self, opt, modules):
         self.main_opt, self.modules, self.schedulers = opt, modules, None
         self.step, self.fetch_idx, self.groups = -1, 0, [types.SimpleNamespace(seq=0)]
-
-    def counters(self) -> dict:
-        return {"step": self.step, "fetch_idx": self.fetch_idx, "seqs": [g.seq for g in self.groups]}
-
-    def restore_counters(self, counters: dict) -> None:
-        self.step, self.fetch_idx = counters["step"], counters["fetch_idx"]
-        for g, seq in zip(self.groups, counters["seqs"]):
-            g.seq = seq
 
 
 def train(model, opt, sched, rt, n: int) -> None:

@@ -554,10 +554,14 @@ class RankRuntime:
         """SDC: under DDP every rank holds the same parameters after each step."""
         if self.world < 2:
             return None
-        here = [r for r in range(self.world) if not self.ctl.gone(r)]  # a rank that failed open reports nothing
+        here = range(self.world)
         for s in range(max(self.sdc_checked + 1, k - 7), k + 1):
             sums = [self.ctl.beacon_at(r, s) for r in here]
-            if any(v is None for v in sums):
+            if None in sums and len(here) == self.world:
+                # Only now (not every step) look for ranks that failed open: they report nothing.
+                here = [r for r in range(self.world) if not self.ctl.gone(r)]
+                sums = [v for r, v in enumerate(sums) if r in here]
+            if None in sums:
                 break
             self.sdc_checked = s
             same = len(set(sums)) == 1
