@@ -453,7 +453,11 @@ class _Orphan:
             pass
         self.crash_order = rt.rundir.crash_order(rt.rank, k)
         # Without retention only a crash replay can come, and soon.
-        wait = retained["until"] - time.time() if retained else ORPHAN_WAIT_S
+        # On many nodes the crash order comes once every node's launcher has
+        # seen its job end and heard from the others (watcher/launcher_link.py).
+        wait = ORPHAN_WAIT_S * (3 if len(rt.local_ranks) < rt.world else 1)
+        if retained:
+            wait = retained["until"] - time.time()
         self.deadline = time.monotonic() + wait
 
     def next_order(self) -> dict | None:

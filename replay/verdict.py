@@ -210,23 +210,38 @@ def recoverable(rt: Rank, plan: dict, results: list[dict], log: JobLog) -> dict:
     return {"possible": True, "reason": None, "param_sums": [full_param_sum(res["steps"][to]) for res in results]}
 
 
-def crash_replay_verdict(reply: dict, result: dict, snap_step: int) -> dict:
+def crash_replay_verdict(reply: dict, result: dict, snap_step: int, crash: dict) -> dict:
     """The replay part of a crash incident, from the crashed rank's snapshot
-    reply (its wait status) and replay result: did it crash again?"""
+    reply (its wait status) and replay result: did it die again, the way the
+    rank died (`crash`: its exit_signal or exit_code)?  A replay killed by
+    another signal (the sandbox's SIGSYS, a SIGKILL from outside) answers nothing."""
     sig = -reply["exit_code"] if reply.get("exit_code") is not None and reply["exit_code"] < 0 else None
     replay_status = result.get("status") if result else None
-    if sig is not None or (replay_status == "exception" and reply.get("exit_code") == 1):
-        again = True   # died the same way: a signal, or a Python exception at the same point
+    reason = None
+    if sig is not None:
+        again = True if sig == crash.get("exit_signal") else None
+        if again is None:
+            reason = (f"the replay died of {signal.Signals(sig).name}, the rank of "
+                      f"{crash.get('how') or crash.get('exit_code')}: not the same death, so no answer")
+    elif replay_status == "exception" and reply.get("exit_code") == 1:
+        # A Python exception in the replay: the same death when the rank died of an error exit.
+        again = True if not crash.get("exit_signal") else None
+        if again is None:
+            reason = f"the replay raised an exception, the rank died of {crash.get('how')}: no answer"
     elif replay_status == "done":
         again = False  # ran past the crash point
     else:
         again = None   # ran out of record or left no result: no answer
-    return {"reproduced": again, "crashed_again": again,
-            "replay_signal": signal.Signals(sig).name if sig else None,
-            "replay_status": result.get("status") if result else ("killed" if sig else None),
-            "replayed_steps": sorted(result.get("steps", {})) if result else None,
-            "first_divergence": result.get("first_divergence") if result else None,
-            "from_step": snap_step, "wait_status": reply.get("status")}
+        reason = f"the replay ended {replay_status or 'without a result'} before the crash step"
+    out = {"reproduced": again, "crashed_again": again,
+           "replay_signal": signal.Signals(sig).name if sig else None,
+           "replay_status": result.get("status") if result else ("killed" if sig else None),
+           "replayed_steps": sorted(result.get("steps", {})) if result else None,
+           "first_divergence": result.get("first_divergence") if result else None,
+           "from_step": snap_step, "wait_status": reply.get("status")}
+    if reason:
+        out["reason"] = reason
+    return out
 
 
 def classify_crash(verdict: Incident) -> None:

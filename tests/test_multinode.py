@@ -93,3 +93,29 @@ def test_a_rank_stalled_on_node_1_is_a_hang_found_in_seconds_and_recovered(nodes
     stall = node0["replay"]["stall"]
     assert (stall["rank"], stall["step"]) == (3, 12)  # the rank that entered the collective late, across nodes
     assert (node0["recovered"], node0["steps_lost"]) == (True, 0)
+
+
+@needs_bpf
+@pytest.mark.parametrize("scenario, classification", [("segv", "persistent"), ("segv_once", "transient")])
+def test_a_rank_crashed_on_node_1_is_replayed_across_nodes_after_the_job(nodes, tmp_path, scenario, classification):
+    # Rank 3 dies of SIGSEGV at the start of step 12's optimizer step (after
+    # its gradients were reduced with node 0's ranks); `segv` dies again in
+    # any replay, `segv_once` only in the live run.  The job is over, and so is
+    # its store: the launchers link to replay every rank's snapshot at once.
+    fault = {"scenario": scenario, "rank": 3, "step": 12}
+    done = nodes.run_both(nodes.watched(tmp_path, fault))
+    assert [p.returncode for p in done] == [1, 1]
+    node0, node1 = _incidents(tmp_path)
+    assert node0 == node1, (node0, node1)  # one incident, one verdict, by global ranks, on both nodes
+    assert (node0["kind"], node0["detected_rank"], node0["detected_step"]) == ("crash", 3, 12)
+    assert node0["detail"]["how"] == "signal SIGSEGV"
+    assert node0["classification"] == classification, node0["replay"]
+    rep = node0["replay"]
+    assert rep["from_step"] == node0["window"]["from_step"] == 8  # snapshots every 4 steps: the newest before 12
+    if scenario == "segv":
+        assert (rep["crashed_again"], rep["replay_signal"]) == (True, "SIGSEGV")
+    else:
+        # Ran past the crash point: the steps since the snapshot, replayed with
+        # node 0's ranks' inputs relayed over the link, matched the record.
+        assert rep["crashed_again"] is False and rep["first_divergence"] is None
+        assert rep["replayed_steps"] == [9, 10, 11, 12]

@@ -268,3 +268,21 @@ def test_incident_in_the_last_step_is_replayed_at_exit(tmp_path):
     assert inc["classification"] == "transient" and inc["transient_cause"] == "bit_flip"
     d = inc["replay"]["first_divergence"]
     assert (d["rank"], d["step"], d["where"]) == (1, 12, "compute")
+
+
+@needs_bpf
+def test_a_crash_that_does_not_come_back_in_replay_is_transient(tmp_path):
+    """SIGSEGV on rank 1 in the live run only: the replay of every rank from
+    the last snapshot runs past the crash step, so the crash was transient;
+    the launcher saw the rank die and its peer did not wait for it."""
+    from watcher.run import RunConfig, run
+
+    res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True, snapshot_interval=4,
+                        copy_interval=0, inject={"scenario": "segv_once", "rank": 1, "step": 12}))
+    assert res.exit_code != 0
+    (inc,) = res.incidents
+    assert (inc["incident_id"], inc["kind"], inc["detected_rank"], inc["detected_step"]) == ("inc-0001", "crash", 1, 12)
+    assert inc["detail"]["how"] == "signal SIGSEGV" and inc["classification"] == "transient"
+    rep = inc["replay"]
+    assert (rep["crashed_again"], rep["from_step"], rep["replayed_steps"]) == (False, 8, [9, 10, 11, 12])
+    assert json.loads((tmp_path / "run" / "runtime" / "rank1.process.json").read_text())["pid"] == inc["detail"]["pid"]

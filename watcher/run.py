@@ -8,7 +8,8 @@ window's segments live on tmpfs (/dev/shm/watcher-window-*) while the job runs.
 The runtime reaches every Python rank through a sitecustomize put first on
 PYTHONPATH (it chains to any existing one); the user's files are not touched.
 After the job ends, a rank that crashed is replayed from its newest snapshot
-(which outlives the rank for a short while) to see whether it crashes again.
+(which outlives the rank for a short while) to see whether it crashes again
+(crash.py; across nodes on a multi-node job).
 """
 
 from __future__ import annotations
@@ -17,29 +18,24 @@ import ctypes
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import duckdb
-import torch
-
 from .analysis.detectors import Detectors
 from .analysis.incidents import analyze_hang
+from .crash import crash_incident
 from .errors import RecordingError, UsageError
 from .incident import Incident, load_incidents, save_incident
 from .privileges import require_bcc, require_bpf_privileges
-from .replay.snapshot import replay_order
-from .replay.verdict import classify_crash, crash_replay_verdict
-from .rundir import STOP_EXIT_CODE, ReplayDir, RunDir, read_json, write_json
+from .rank_deaths import RankDeaths
+from .rundir import RunDir, read_json
 from .runtime import wordsum
 from .runtime.control import PAUSE_RECORDER, SIZE, Control
 from .session import Session, SessionConfig
-from .store import Recordings, causal_link_rows, count_steps, incident_row, rank_processes, write_run_tables
+from .store import Recordings, causal_link_rows, count_steps, incident_row, write_run_tables
 from .uprobes.tensor_layout import CACHE
 
 POLICIES = ("observe", "recover", "apply")
@@ -160,13 +156,15 @@ def run(cfg: RunConfig) -> RunResult:
     window_dir = _window_dir(run_dir)
     env = cfg.env()
     env["WATCHER_WINDOW_DIR"] = str(window_dir)
+    deaths = RankDeaths(run_dir, ctl).start()  # so no rank waits for a dead peer
     try:
         try:
             result = session.record(list(cfg.cmd), env=env)
         finally:
+            deaths.stop()
             if status:
                 status.stop()
-        _crash_incident(run_dir)
+        crash_incident(run_dir)
         _unfinished_incidents(run_dir)
         incidents = ingest(run_dir)
     finally:
@@ -244,83 +242,6 @@ class _StatusLine:
 
 
 # -- after the job ---------------------------------------------------------------------------
-
-def _crash_incident(run_dir: RunDir) -> Incident | None:
-    """The first rank to die abnormally (not stopped by Watcher, not killed by
-    the launcher after a peer failed): replay it from its newest snapshot."""
-    try:
-        ranks = rank_processes(run_dir.recording)
-    except duckdb.Error:
-        return None
-    crashed = None
-    for r in ranks:
-        sig, code = r["exit_signal"], r["exit_code"]
-        if sig in (signal.SIGTERM, signal.SIGKILL, signal.SIGINT) or code in (0, STOP_EXIT_CODE, None) and not sig:
-            continue
-        crashed = r
-        break
-    if crashed is None:
-        return None
-    rank = crashed["rank"]
-    steps = run_dir.read_steps(rank)
-    last = max(steps) if steps else -1
-    snaps = sorted(s for s, fp in steps.items() if fp.get("snapshot"))
-    inc_id = run_dir.next_incident_id()  # after every incident a rank opened, finished or not
-    inc_dir = run_dir.incident_dir(inc_id).make()
-    how = (f"signal {signal.Signals(crashed['exit_signal']).name}" if crashed["exit_signal"]
-           else f"exit code {crashed['exit_code']}")
-    verdict = Incident.opened(inc_id, "crash", last + 1, rank, crashed["end_ts"],
-                              {"how": how, "pid": crashed["pid"], "exit_code": crashed["exit_code"],
-                               "exit_signal": crashed["exit_signal"]},
-                              snaps[-1] if snaps else None, last + 1)
-    job = read_json(run_dir.job) if run_dir.job.exists() else {}
-    world = job.get("world") or max(r["rank"] for r in ranks) + 1
-    elsewhere = sorted(set(range(world)) - set(job.get("local_ranks") or range(world)))
-    if snaps and elsewhere:
-        # The crashed rank's collectives need every rank's replay, and the
-        # other nodes' snapshots (and the job's store) are out of reach now.
-        verdict.replay = {"reproduced": None, "first_divergence": None,
-                          "reason": f"a crash replay needs every rank's snapshot; ranks {elsewhere[0]}.."
-                                    f"{elsewhere[-1]} were on other nodes"}
-    elif snaps:
-        verdict.replay = _crash_replay(run_dir, rank, world, snaps[-1], last + 1, inc_dir)
-        classify_crash(verdict)
-    else:
-        verdict.replay = {"reproduced": None, "first_divergence": None,
-                          "reason": "the rank crashed before its first snapshot"}
-    save_incident(run_dir, verdict)
-    return verdict
-
-
-def _crash_replay(run_dir: RunDir, rank: int, world: int, snap_step: int, to_step: int, inc_dir: ReplayDir,
-                  wait_s: float = 120) -> dict:
-    """Replay every rank from its snapshot at `snap_step` to the crash step,
-    coordinated (the crashed rank's collectives need its peers' inputs); the
-    snapshots are orphans by now, waiting a little for these orders."""
-    reply_path = inc_dir.crash_reply(rank)
-    inc_dir.exchange.mkdir(exist_ok=True)
-    for r in range(world):
-        order = replay_order(r, to_step, inc_dir, inc_dir.exchange, 60, reply=inc_dir.crash_reply(r))
-        write_json(run_dir.crash_order(r, snap_step), order)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not reply_path.exists():
-        time.sleep(0.1)
-    if not reply_path.exists():
-        return {"reproduced": None, "first_divergence": None,
-                "reason": f"the snapshot at step {snap_step} was gone before it could be replayed"}
-    reply = read_json(reply_path)
-    others = [inc_dir.crash_reply(r) for r in range(world) if r != rank]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not all(o.exists() for o in others):
-        time.sleep(0.1)
-    shutil.rmtree(inc_dir.exchange, ignore_errors=True)  # the replayed inputs: large, and read by nobody now
-    result = {}
-    try:
-        result = torch.load(inc_dir.result(rank), weights_only=False)
-    except Exception:
-        pass
-    return crash_replay_verdict(reply, result, snap_step)
-
 
 def _unfinished_incidents(run_dir: RunDir) -> None:
     """Incidents opened by a rank whose peers never reached the halt step (a

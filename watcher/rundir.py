@@ -268,6 +268,13 @@ class RunDir:
         raise FileNotFoundError(path)
 
     # -- written by the ranks -----------------------------------------------------------------
+    def rank_process(self, rank: int) -> Path:
+        """Which process is rank r: {"pid", "start_ticks"} (the launcher watches it, rank_deaths.py)."""
+        return self.runtime / f"rank{rank}.process.json"
+
+    def rank_process_files(self) -> list[tuple[int, Path]]:
+        return sorted((int(p.name[4:].split(".")[0]), p) for p in self.runtime.glob("rank*.process.json"))
+
     def steps_log(self, rank: int) -> Path:
         return self.runtime / f"rank{rank}.steps.jsonl"
 
@@ -279,7 +286,8 @@ class RunDir:
 
     @property
     def job(self) -> Path:
-        """The job as this node's ranks see it: {"world", "local_ranks"}."""
+        """The job as this node's ranks see it: {"world", "local_ranks"}, and on
+        many nodes "node", "nodes", "master_addr", "master_port", "run_id"."""
         return self.runtime / "job.json"
 
     def refusal(self, rank: int) -> Path:

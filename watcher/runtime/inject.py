@@ -25,6 +25,8 @@ Scenarios (all take "rank" and "step"):
   bad_cores         the rank pins itself to CPUs `cpus` (as a job pinning ranks to cores would); from `step`
                     on, a Linear's output is scaled by `factor` while it runs on them (persistent, device)
   segv              SIGSEGV at the start of `step` (persistent crash)
+  segv_once         SIGSEGV at the start of `step`, in the live run only (a transient crash: a stray write,
+                    a machine check; the replay from the last snapshot runs past it)
   link_reset        shut down the rank's gloo connections before one collective (transient network fault)
   net_blackhole     before one collective, every packet arriving on the rank's gloo connections is dropped
                     (a socket filter): the connections neither deliver nor reset, and the collective waits
@@ -50,7 +52,8 @@ from torch.nn.modules.module import register_module_forward_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch",
-             "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "merge_bitflip")
+             "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "segv_once",
+             "merge_bitflip")
 
 
 def _flip_top_exponent_bit(t: torch.Tensor) -> None:
@@ -148,13 +151,15 @@ def _arm_one(rt, f: dict) -> None:
             if meta["step"] == step and once():
                 time.sleep(float(f.get("seconds", 5)))
         rt.fault_hooks.append(("before_collective", hook))
-    elif kind in ("lr_spike", "segv"):
+    elif kind in ("lr_spike", "segv", "segv_once"):
 
         def pre(opt, args, kwargs):
             if rt.step + 1 != step or opt is not rt.main_opt or not mine():
                 return
-            if kind == "segv":
+            if kind == "segv" or kind == "segv_once" and once():
                 os.kill(os.getpid(), signal.SIGSEGV)
+            if kind != "lr_spike":
+                return
             for g in opt.param_groups:
                 g["lr"] = g["lr"] * float(f.get("factor", 1000.0))
         register_optimizer_step_pre_hook(pre)

@@ -10,6 +10,7 @@ keeps its keys under a prefix of its own there:
 
     incident_seq, plan_seq, verdict_seq   the control block's header words, global
     incident/<seq>                        an incident as its rank opened it
+    gone/<rank>, gone_n                   a rank that died, as its node's launcher saw it (rank_deaths.py)
     node/<n>                              node n's ranks' slots (arrived, wanted intervals, beacons)
     run/<path>                            run-directory documents (rundir.RunDir.put)
     x/<tag>/<rank>/...                    a replay's collective inputs (replay/relay.py)
@@ -41,7 +42,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..rundir import write_json
-from .control import HEADER, RING, RING_AT, SLOT, Control
+from .control import GONE, HEADER, RING, RING_AT, SLOT, Control
 
 # The relay's period: replica checks tolerate a lag of several steps (they
 # look back 7) and arrival waits are the cold path; every period costs the
@@ -108,8 +109,9 @@ class NodeLink:
     def __init__(self, ctl: Control, layout: NodeLayout, store=None):
         self.ctl, self.layout = ctl, layout
         self.store = store if store is not None else connect(layout)
-        for w in WORDS:
+        for w in WORDS + ("gone_n",):
             self.store.add(w, 0)  # created at 0 by the first rank; a no-op after
+        self.gone_seen = 0
         for n in range(layout.nodes):
             self.store.add(f"nodever/{n}", 0)  # so a leader never waits on a node that has not published
         self.relay_store = None
@@ -127,7 +129,10 @@ class NodeLink:
 
     def _sync_words(self, store) -> None:
         with self._sync_lock:
-            incident, plan, verdict = (int(v) for v in store.multi_get(list(WORDS)))
+            incident, plan, verdict, gone = (int(v) for v in store.multi_get(list(WORDS) + ["gone_n"]))
+            if gone != self.gone_seen:
+                self._adopt_gone(store)
+                self.gone_seen = gone
             have = self.ctl.incident_seq
             for seq in range(have + 1, incident + 1):
                 key = f"incident/{seq}"
@@ -138,6 +143,12 @@ class NodeLink:
                 info.pop("claim", None)
                 write_json(self.ctl.incident_path(seq), info)
             self.ctl.mirror(incident=incident, plan=plan, verdict=verdict)
+
+    def _adopt_gone(self, store) -> None:
+        """Mark the ranks other nodes' launchers saw die: no rank here waits for them."""
+        for r in range(self.layout.world):
+            if not self.ctl.gone(r) and store.check([f"gone/{r}"]):
+                self.ctl.mark_gone(r)
 
     # -- cold path ---------------------------------------------------------------------------
     def open_incident(self, info: dict) -> int | None:
@@ -234,6 +245,7 @@ class NodeLink:
                     _Q.pack_into(mm, base + off + 8, value)
                     _Q.pack_into(mm, base + off, step)
             seq, step = _QQ.unpack_from(src, 0)
-            _Q.pack_into(mm, base + 8, step)
-            _Q.pack_into(mm, base, seq)
+            if _Q.unpack_from(mm, base)[0] != GONE:  # once gone, gone: a blob read before the death says otherwise
+                _Q.pack_into(mm, base + 8, step)
+                _Q.pack_into(mm, base, seq)
             at += 8 + SLOT

@@ -175,7 +175,14 @@ class RankRuntime:
         self.seg = SegmentWriter(self.window_dir, self.rank, max_bytes=int(cap))
         self._link_nodes()
         try:
-            write_json(self.rundir.job, {"world": self.world, "local_ranks": self.local_ranks})
+            job = {"world": self.world, "local_ranks": self.local_ranks}
+            if self.link is not None:  # where the launchers find each other after the job (launcher_link.py)
+                lay = self.link.layout
+                job.update(node=lay.node, nodes=lay.nodes, master_addr=lay.master_addr,
+                           master_port=lay.master_port, run_id=lay.run_id)
+            write_json(self.rundir.job, job)
+            me = process_state(os.getpid())
+            write_json(self.rundir.rank_process(self.rank), {"pid": os.getpid(), "start_ticks": me and me[1]})
         except OSError:
             pass
         self.handled_seq = self.ctl.incident_seq

@@ -67,13 +67,9 @@ def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseEx
         intact = tensors_sum(ins) == meta["in_sum"]
     store.set(f"{prefix}intact/{me}", "1" if intact else "0")
     keys = [f"{prefix}intact/{r}" for r in range(size)]
-    why = None
-    try:
-        store.wait(keys, datetime.timedelta(seconds=JOIN_TIMEOUT_S))
-        if not all(store.get(k) == b"1" for k in keys):
-            why = "the failed operation modified a member's inputs: the collective cannot be retried"
-    except Exception as e:
-        why = f"not every member of the group joined the rebuild: {e}"
+    why, died = _await_members(rt, store, keys, group.ranks)
+    if why is None and not all(store.get(k) == b"1" for k in keys):
+        why = "the failed operation modified a member's inputs: the collective cannot be retried"
     if why is None:
         before = transport.socket_inodes()
         new = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, size,
@@ -83,11 +79,30 @@ def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseEx
         work = getattr(new, op)(*args)
         work.wait()
         result = work.result() if hasattr(work, "result") else None
-    if me == 0:
+    if me == 0 and not died:  # a dead member's collective is part of its crash incident (watcher/crash.py)
         _record(rt, group, meta, error, why, t0)
     if why is not None:
         raise error
     return result
+
+
+def _await_members(rt, store, keys: list[str], ranks: list[int]) -> tuple[str | None, bool]:
+    """Wait for every member's word; why not, if one never comes, and whether
+    that is because a member died.  A member
+    that died (its launcher marks it gone, watcher/rank_deaths.py) is not
+    waited for: the failure was its death, and no rebuild can bring it back."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while not store.check(keys):
+            dead = [g for g in ranks if rt.ctl.gone(g)]
+            if dead:
+                return f"rank {dead[0]} died: the group cannot be rebuilt without it", True
+            if time.monotonic() > deadline:
+                return f"not every member of the group joined the rebuild within {JOIN_TIMEOUT_S:g} s", False
+            time.sleep(0.02)
+    except Exception as e:
+        return f"not every member of the group joined the rebuild: {e}", False
+    return None, False
 
 
 def _record(rt, group, meta: dict, error: BaseException, why: str | None, t0: int) -> None:
@@ -106,7 +121,10 @@ def _record(rt, group, meta: dict, error: BaseException, why: str | None, t0: in
                            f"(collective_timeout); transport aborted: {detail['error']}")
     doc = Incident.opened(iid, "collective_error", meta["step"], rt.rank, t0, detail, None, None)
     ok = why is None
-    doc.update(classification="transient", track="A", transient_cause="communication", recovered=ok,
+    # Transient only when the retry worked: a collective that failed because
+    # a member died is that death's consequence, judged by its crash incident.
+    doc.update(classification="transient" if ok else None, track="A" if ok else None,
+               transient_cause="communication" if ok else None, recovered=ok,
                resumed_at_step=meta["step"] if ok else None, steps_lost=0 if ok else None,
                recovery={"method": "rebuilt the group's gloo transport and issued the collective again",
                          "collective": coll, "reason": why,
