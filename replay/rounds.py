@@ -65,18 +65,25 @@ def replay_here(rt: Rank, snap_step: int | None, to_step: int, out: ReplayDir, e
 
 
 def _publish_result(rt: Rank, out: ReplayDir) -> bool:
-    """For rank 0 on another node: the result without the end state."""
-    if rt.rundir.shared is None or not out.result(rt.rank).exists():
+    if rt.rundir.shared is None:
+        return False
+    return publish_result(rt.rundir, out, rt.rank)
+
+
+def publish_result(rundir, out: ReplayDir, rank: int) -> bool:
+    """For rank 0 on another node: a rank's result without the end state
+    (which only its own merge needs), through the run directory's store."""
+    if not out.result(rank).exists():
         return False
     try:
-        res = torch.load(out.result(rt.rank), weights_only=False)
+        res = torch.load(out.result(rank), weights_only=False)
     except Exception:
         return False
     if "state" in res:
         res["state"] = {"param_sum": res["state"].get("param_sum"), "elsewhere": True}
     buf = io.BytesIO()
     torch.save(res, buf)
-    rt.rundir.put_bytes(out.result(rt.rank), buf.getvalue())
+    rundir.put_bytes(out.result(rank), buf.getvalue())
     return True
 
 

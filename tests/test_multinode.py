@@ -79,6 +79,20 @@ def test_a_persistent_fault_is_diagnosed_across_nodes_as_on_one(nodes, tmp_path)
         assert inc["attribution"]["cause"] == "software"
         assert (inc["prescription"]["action"], inc["prescription"]["op"]) == ("fix_kernel", "aten::div.Tensor")
     assert node0 == node1
+    # Each node retained its ranks' snapshots; `watcher diagnose` on every
+    # node (as the job was launched) links them and repeats the diagnosis.
+    diag = [[sys.executable, "-m", "watcher.cli", "diagnose", str(tmp_path / f"node{i}"), "--format", "json"]
+            for i in (0, 1)]
+    again = nodes.run_both(diag, timeout=900)
+    assert [p.returncode for p in again] == [0, 0], again[0].stderr[-3000:] + again[1].stderr[-3000:]
+    docs = [json.loads(p.stdout) for p in again]
+    for doc in docs:
+        assert doc["same_as_recorded"] is True, doc["differences"]
+        assert doc["attribution"]["cause"] == "software" and doc["prescription"]["op"] == "aten::div.Tensor"
+    assert docs[0]["out"].replace("node0", "node1") == docs[1]["out"]  # the same rediagnosis-<n>, on each node
+    assert {k: v for k, v in docs[0].items() if k != "out"} == {k: v for k, v in docs[1].items() if k != "out"}
+    for i in (0, 1):
+        watcher("release", str(tmp_path / f"node{i}"), check=True)
 
 
 @needs_bpf
