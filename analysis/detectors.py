@@ -5,6 +5,7 @@
 | non_finite | the step's loss or gradient norm is NaN or infinite                    | on      |
 | loss_spike | loss > median + Z * 1.4826 * MAD over the last W steps (after M steps) | Z=8, W=32, M=8 |
 | sdc        | replicas disagree: parameter checksums differ across ranks under DDP   | on      |
+| stall      | a rank no collective of which waits on its peers makes no progress for max(S, F * median step time): reported (the rank, the step, its Python line and system call), never halted | S=2 s, F=10 |
 | hang       | no step end for max(T, K * median step time)                           | T=300 s, K=20 |
 | crash      | a rank exits non-zero or by signal (seen by `watcher run`)             | on      |
 | stuck collective | every member of a group inside the same collective for C seconds: aborted and retried on a new transport (`collective_timeout`, 0 = off) | C=600 s |
@@ -30,6 +31,9 @@ class Detectors:
     loss_spike_window: int = 32
     loss_spike_min_steps: int = 8
     sdc: bool = True
+    stall: bool = True
+    stall_seconds: float = 2.0
+    stall_factor: float = 10.0
     hang_seconds: float = 300.0
     hang_factor: float = 20.0
     collective_timeout: float = 600.0
@@ -71,6 +75,9 @@ class Detectors:
             if len(h) > self.loss_spike_window:
                 del h[0]
         return hit
+
+    def stall_limit_s(self, median_step_s: float) -> float:
+        return max(self.stall_seconds, self.stall_factor * median_step_s)
 
     def hang_limit_s(self, median_step_s: float) -> float:
         return max(self.hang_seconds, self.hang_factor * median_step_s)

@@ -23,6 +23,17 @@ def replay_timeout_s(window_s: float) -> float:
     return max(60.0, 20 * window_s)
 
 
+def healthy_window_seconds(durations: dict, from_step: int, to_step: int) -> float:
+    """How long the window's steps take when healthy: the median step times
+    their number.  A replay's timeout comes from this, never from a window
+    holding the stalled step itself, or a hang that repeats in replay would
+    wait out twenty times the stall before it could be called persistent."""
+    known = sorted(d for d in durations.values() if d)
+    if not known:
+        return window_seconds(durations, from_step, to_step)
+    return known[len(known) // 2] * (to_step - from_step) / 1e9
+
+
 def held_by_all(arrivals: list[dict]) -> set[int]:
     """Snapshot steps every rank still holds (from their arrive files)."""
     common = set(arrivals[0]["snapshots"])
@@ -126,7 +137,8 @@ def newest_usable_copy(log: JobLog, fork: int, failing: int) -> int | None:
 
 def _timed(plan: dict, durations: dict) -> dict:
     window_s = window_seconds(durations, plan["from_step"], plan["to_step"])
-    plan["replay_timeout_s"] = replay_timeout_s(window_s)
+    plan["replay_timeout_s"] = replay_timeout_s(healthy_window_seconds(durations, plan["from_step"],
+                                                                       plan["to_step"]))
     plan["window_wall_s"] = round(window_s, 3)
     return plan
 

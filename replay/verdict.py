@@ -53,8 +53,10 @@ def decide(rt: Rank, info: dict, plan: dict, out: ReplayDir, log: JobLog,
     # A replay that timed out is an answer only for a hang.
     incomplete = [r for r in range(world) if statuses[r] != "done"
                   and (r not in timed_out or info["kind"] != "hang")]
-    if incomplete and info["kind"] != "hang":
-        # A replay that could not finish proves nothing either way.
+    if incomplete and not (info["kind"] == "hang" and timed_out):
+        # A replay that could not finish proves nothing either way.  For a
+        # hang, a timeout is the answer (its peers' replays, left waiting on
+        # it, end as they may); a replay that failed with none timed out is not.
         verdict.replay = {"reproduced": None, "exact": False, "first_divergence": div,
                           "reason": "; ".join(f"rank {r}: {statuses[r]}"
                                               + (f" ({(results[r].get('error') or '').strip().splitlines()[-1]})"

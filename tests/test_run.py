@@ -286,3 +286,28 @@ def test_a_crash_that_does_not_come_back_in_replay_is_transient(tmp_path):
     rep = inc["replay"]
     assert (rep["crashed_again"], rep["from_step"], rep["replayed_steps"]) == (False, 8, [9, 10, 11, 12])
     assert json.loads((tmp_path / "run" / "runtime" / "rank1.process.json").read_text())["pid"] == inc["detail"]["pid"]
+
+
+@needs_bpf
+def test_a_stalled_rank_is_reported_in_seconds_and_the_job_goes_on(tmp_path, plain_reference):
+    """Rank 1 sleeps 20 s before a collective of step 12, in a job of ~25-ms
+    steps: a stall incident names rank 1 and step 12 within seconds, where it
+    waits (the Python line, the system call), nothing halts, and the run ends
+    bit-identical to the fault-free one."""
+    from watcher.run import RunConfig, run
+
+    res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True,
+                        inject={"scenario": "stall", "seconds": 20, "rank": 1, "step": 12}))
+    assert res.exit_code == 0
+    assert (tmp_path / "w.pt.sha256").read_text() == plain_reference
+    (inc,) = res.incidents
+    assert (inc["kind"], inc["detected_rank"], inc["detected_step"]) == ("stall", 1, 12)
+    d = inc["detail"]
+    assert 2.0 <= d["no_progress_s"] < 5.0  # the default limit: 2 s (10x a ~25-ms step is less)
+    assert "ddp_lm.py" in d["where"]["training_line"]  # the training loop's line that issued it
+    assert d["where"]["syscall"] == "clock_nanosleep"  # time.sleep, as the recording would show it
+    assert "inject.py" in d["where"]["python"][0] and "in hook" in d["where"]["python"][0]
+    assert d["resumed"] is True and 19.0 < d["stalled_s"] < 25.0
+    assert inc["classification"] is None and inc["window"] == {"from_step": None, "to_step": None}  # nothing halted
+    steps = query(tmp_path / "run" / "recording.duckdb", "SELECT rank, count(*) FROM step GROUP BY 1 ORDER BY 1")
+    assert steps == [(0, STEPS), (1, STEPS)]

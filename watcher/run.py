@@ -198,6 +198,14 @@ def describe(inc: dict) -> str:
         return (f"watcher: replay check of steps {w['from_step'] + 1}..{w['to_step']}: "
                 + ("every step fingerprint and collective checksum matched the record" if rep.get("exact")
                    else f"DIFFERS from the record (first divergence {rep.get('first_divergence')})"))
+    if inc["kind"] == "stall":
+        d = inc.get("detail") or {}
+        w = d.get("where") or {}
+        return (f"watcher: {inc['incident_id']}: stall: rank {inc['detected_rank']} made no progress in step "
+                f"{inc['detected_step']} for {d.get('no_progress_s')} s ({d.get('times_median')}x the median step)"
+                + (f" at {w['training_line']}" if w.get("training_line") else "")
+                + (f", in {w['syscall']}" if w.get("syscall") else "")
+                + (f"; went on after {d['stalled_s']} s" if d.get("stalled_s") is not None else "; never went on"))
     div = rep.get("first_divergence")
     where = ""
     if div:

@@ -44,6 +44,7 @@ from .collectives import computed_in_replay
 from .control import PAUSE_RUNTIME, Control, process_state
 from .nodes import NodeLayout, NodeLink
 from .samples import row_digests, without_rows
+from .stall import StallWatch
 from .training import optimizer_params, scan_training_objects
 from .window import END_OF_DATA, SegmentWriter, segment_paths, segment_step
 
@@ -118,6 +119,7 @@ class RankRuntime:
         self.halt_margin = 1          # steps from detection to the halt
         self._forking_snapshot = False  # between ForkSnapshot.take's fork and its return (see _child_is_not_a_rank)
         self.detectors = Detectors.from_env()
+        self.stalls = StallWatch(self)  # read by the watchdog thread (stall.py)
         budget = _env_float("WATCHER_SNAPSHOT_BUDGET", 1.0) / 100.0
         # State copies between forks (replay/state_copy.py) share the budget
         # with the forks, two thirds to the copies: the copy interval sets
@@ -449,6 +451,7 @@ class RankRuntime:
             if len(self.step_ns) > 64:
                 del self.step_ns[:32]
         self.last_end_ns = fp["ts"]
+        self.stalls.step_ended(fp["ts"])
         coll_lines = self._log_colls(colls)
         fp["snapshot"] = False
         self.ctl.beacon(self.rank, k, fp["param_sum"])
@@ -511,8 +514,10 @@ class RankRuntime:
                 if self.rank == 0:
                     self.ctl.verdict_seq = max(self.ctl.verdict_seq, seq)  # the next incident may open
             elif k >= info["halt_step"]:
+                # The halt and the replay are not training time: no stall, no
+                # hang (the watchdog skips while this is None), no step-time sample.
+                self.last_end_ns = None
                 handle_incident(self, seq, info)
-                # The halt and the replay are not training time: no hang, no step-time sample.
                 self.last_end_ns = None
                 if self.resnapshot:  # recovered: the next replay starts from the recovered state
                     self.resnapshot = False
@@ -685,8 +690,15 @@ class RankRuntime:
             try:
                 if self.last_end_ns is None or not self.step_ns:
                     continue
-                limit = self.detectors.hang_limit_s(sorted(self.step_ns)[len(self.step_ns) // 2] / 1e9)
-                stalled = (time.monotonic_ns() - self.last_end_ns) / 1e9
+                seq = self.ctl.incident_seq
+                if seq > self.handled_seq and self.ctl.incident(seq).get("resolved"):
+                    self.handled_seq = seq  # a report (a stall) or a recovered collective: nothing to wait for
+                median_s = sorted(self.step_ns)[len(self.step_ns) // 2] / 1e9
+                limit = self.detectors.hang_limit_s(median_s)
+                now = time.monotonic_ns()
+                stalled = (now - self.last_end_ns) / 1e9
+                if not self.exiting and self.ctl.incident_seq == self.handled_seq:
+                    self.stalls.check(now, median_s)
                 # A long evaluation or checkpoint between steps is not a hang;
                 # a rank waiting inside a collective is.
                 waiting = self.in_flight > 0 or not self.groups
