@@ -299,7 +299,7 @@ def test_release_ends_the_snapshots_and_the_report_needs_only_the_recording(dril
 
 def _fake_rank(tmp_path: Path):
     """What a snapshot reads from its rank's runtime, for a snapshot of this test process."""
-    return SimpleNamespace(rundir=RunDir(tmp_path), run_dir=tmp_path, window_dir=tmp_path, rank=0,
+    return SimpleNamespace(rundir=RunDir(tmp_path), run_dir=tmp_path, window_dir=tmp_path, rank=0, world=1, local_ranks=[0],
                            go_quiet=lambda: None, snap_policy=SimpleNamespace(fork_ns=[]))
 
 

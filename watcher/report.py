@@ -42,7 +42,22 @@ def load(recs: Recordings) -> dict:
             "colls": [dict(zip(("rank", "group", "seq", "op", "step", "ts", "dur"), r)) for r in coll_rows]}
 
 
+def _stall_lines(inc: dict) -> list[str]:
+    """A stall is a report, not a verdict: who held the job up, where, how long."""
+    d = inc.get("detail") or {}
+    w = d.get("where") or {}
+    lines = [f"{inc['incident_id']}: stall at step {inc.get('detected_step')} on rank {inc.get('detected_rank')} "
+             f"-> reported, not halted (no progress for {d.get('no_progress_s')} s, "
+             f"{d.get('times_median')}x the median step)"]
+    if w.get("training_line") or w.get("syscall"):
+        lines.append(f"  waiting at {w.get('training_line') or '?'}" + (f", in {w['syscall']}" if w.get("syscall") else ""))
+    lines.append(f"  went on after {d['stalled_s']} s" if d.get("stalled_s") is not None else "  never went on")
+    return lines
+
+
 def incident_lines(inc: dict) -> list[str]:
+    if inc["kind"] == "stall":
+        return _stall_lines(inc)
     rep = inc.get("replay") or {}
     lines = [f"{inc['incident_id']}: {inc['kind']} at step {inc.get('detected_step')} on rank {inc.get('detected_rank')}"
              f" -> {inc.get('classification') or 'unclassified'}"
