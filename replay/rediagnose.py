@@ -194,12 +194,10 @@ def _check_nodes(found: dict[int, dict], nodes: int, world: int) -> dict | None:
 
 
 def _await_key(link: LauncherLink, key: str, wait_s: float) -> bytes:
-    deadline = time.monotonic() + wait_s
-    while not link.store.check([key]):
-        if time.monotonic() > deadline:
-            raise RecordingError(f"node 0's `watcher diagnose` sent no {key} within {wait_s:.0f} s")
-        time.sleep(0.05)
-    return link.store.get(key)
+    got = link.wait_for(key, wait_s)
+    if got is None:
+        raise RecordingError(f"node 0's `watcher diagnose` sent no {key} within {wait_s:.0f} s")
+    return got
 
 
 def differences(recorded: dict, found: dict) -> list[str]:
@@ -263,14 +261,10 @@ def _replay_everywhere(rt: OfflineRun, snaps: list[dict], var: dict, plan: dict,
         link.store.set(f"replayed/{name}/{link.node}", "1")
         if link.node != 0:
             return []
-        _await_key_all(link, [f"replayed/{name}/{n}" for n in range(link.nodes)], plan["replay_timeout_s"] + 60)
+        for n in range(link.nodes):  # every node's ranks replied and published their results
+            _await_key(link, f"replayed/{name}/{n}", plan["replay_timeout_s"] + 60)
     # Results by rank index: the snapshots are one per rank, 0..world-1 (checked above).
     return load_results(rt, vdir)
-
-
-def _await_key_all(link: LauncherLink, keys: list[str], wait_s: float) -> None:
-    for key in keys:
-        _await_key(link, key, wait_s)
 
 
 def release(run_dir: Path) -> list[int]:

@@ -51,14 +51,15 @@ def crash_incident(run_dir: RunDir) -> Incident | None:
     world = job.get("world") or (max(r["rank"] for r in ranks) + 1 if ranks else 0)
     local = job.get("local_ranks") or sorted({r["rank"] for r in ranks})
     crashed = next((r for r in ranks if _crashed(r)), None)
-    steps = {r: run_dir.read_steps(r) for r in local}
-    death = _death(crashed, steps.get(crashed["rank"], {})) if crashed else None
     if multi_node(job):
         if not any(_abnormal(r) for r in ranks):
             return None  # every rank here ended well: no peer of ours crashed while we ran
+        steps = {r: run_dir.read_steps(r) for r in local}
+        death = _death(crashed, steps.get(crashed["rank"], {})) if crashed else None
         return _across_nodes(run_dir, job, world, local, death, steps)
-    if death is None:
-        return None
+    if crashed is None:
+        return None  # a job that ended well reads no step log here
+    death = _death(crashed, run_dir.read_steps(crashed["rank"]))
     snaps = death["snaps"]
     verdict = _opened(run_dir.next_incident_id(), death, snaps[-1] if snaps else None)
     inc_dir = run_dir.incident_dir(verdict.incident_id).make()
@@ -143,12 +144,9 @@ def _across_nodes(run_dir: RunDir, job: dict, world: int, local: list[int], deat
         if owner:
             link.store.set("verdict", json.dumps(verdict.to_dict(), default=str))
         else:
-            deadline = time.monotonic() + REPLY_WAIT_S + 30
-            while time.monotonic() < deadline and not link.store.check(["verdict"]):
-                time.sleep(0.1)
             try:
-                verdict = Incident.from_dict(json.loads(link.store.get("verdict")))
-            except Exception:
+                verdict = Incident.from_dict(json.loads(link.wait_for("verdict", REPLY_WAIT_S + 30)))
+            except Exception:  # none came (json.loads(None) raises too), or it was unreadable
                 verdict.replay = _no_replay(f"node {c['node']}, where rank {c['rank']} crashed, never sent its "
                                             "verdict")
         save_incident(run_dir, verdict)

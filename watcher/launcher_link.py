@@ -70,12 +70,17 @@ class LauncherLink:
         self.store.set("decision", json.dumps(decision, default=str))
 
     def decision(self, wait_s: float) -> dict | None:
+        got = self.wait_for("decision", wait_s)
+        return None if got is None else json.loads(got)
+
+    def wait_for(self, key: str, wait_s: float) -> bytes | None:
+        """The key's value once some node set it; None after `wait_s`."""
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if self.store.check(["decision"]):
-                return json.loads(self.store.get("decision"))
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                return None
             time.sleep(0.05)
-        return None
+        return self.store.get(key)
 
     def close(self) -> None:
         """Say this node is finished; node 0 hosts the store, so it stays
