@@ -41,6 +41,7 @@ import torch
 # fork (the dynamic loader's, during a C++ unwind in a gloo thread) would be
 # held forever in the child.
 from ..rundir import ReplayDir
+from ..runtime import crashsite
 from ..runtime.checksum import params_sum
 from ..runtime.control import AGREE_EVERY
 from ..runtime.seam import Rank
@@ -259,7 +260,7 @@ def replay_order(rank: int, to_step: int, out_dir: ReplayDir, exchange: Path | N
             "result": str(out_dir.result(rank)), "log": str(out_dir.replay_log(rank)),
             "sandbox_log": str(out_dir.sandbox_log(rank)),
             "exchange": str(exchange) if exchange else None, "exchange_timeout_s": timeout, "variant": variant,
-            "reply": str(reply) if reply else None}
+            "reply": str(reply) if reply else None, "crash_site": str(out_dir.crash_site(rank))}
 
 
 def _stack_path(window_dir: Path, pid: int) -> Path:
@@ -502,6 +503,10 @@ def _enter_replay(rt: Rank, order: dict, listener_w: int) -> None:
     os.dup2(log_fd, 2)
     state = ReplayState(rt, window, order, result)
     allowed = {result.fileno(), 1, 2, log_fd, listener_w}
+    if order.get("crash_site"):  # a replay that dies says where, as the rank did
+        site_fd = crashsite.arm(Path(order["crash_site"]))
+        if site_fd is not None:
+            allowed.add(site_fd)
     if order.get("exchange"):
         xfd = os.open(exchange_path(order["exchange"], rt.rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         state.exchange = Exchange(Path(order["exchange"]), rt.rank, rt.world, xfd)

@@ -17,6 +17,7 @@ import signal
 
 from ..incident import Incident
 from ..rundir import ReplayDir, read_json
+from ..runtime import crashsite
 from ..runtime.seam import Rank
 from .plan import JobLog, full_param_sum
 from .rounds import load_results
@@ -212,19 +213,26 @@ def recoverable(rt: Rank, plan: dict, results: list[dict], log: JobLog) -> dict:
     return {"possible": True, "reason": None, "param_sums": [full_param_sum(res["steps"][to]) for res in results]}
 
 
-def crash_replay_verdict(reply: dict, result: dict, snap_step: int, crash: dict) -> dict:
+def crash_replay_verdict(reply: dict, result: dict, snap_step: int, crash: dict, site: dict | None = None) -> dict:
     """The replay part of a crash incident, from the crashed rank's snapshot
-    reply (its wait status) and replay result: did it die again, the way the
-    rank died (`crash`: its exit_signal or exit_code)?  A replay killed by
-    another signal (the sandbox's SIGSYS, a SIGKILL from outside) answers nothing."""
+    reply (its wait status), replay result and crash site: did it die again,
+    the way the rank died (`crash`: its exit_signal or exit_code, and its
+    `site`, runtime/crashsite.py)?  A replay killed by another signal (the
+    sandbox's SIGSYS, a SIGKILL from outside), or by the same signal at
+    another place, answers nothing."""
     sig = -reply["exit_code"] if reply.get("exit_code") is not None and reply["exit_code"] < 0 else None
     replay_status = result.get("status") if result else None
     reason = None
+    same_site = crashsite.same_site(crash.get("site"), site) if sig is not None else None
     if sig is not None:
-        again = True if sig == crash.get("exit_signal") else None
-        if again is None:
+        again = True if sig == crash.get("exit_signal") and same_site is not False else None
+        if sig != crash.get("exit_signal"):
             reason = (f"the replay died of {signal.Signals(sig).name}, the rank of "
                       f"{crash.get('how') or crash.get('exit_code')}: not the same death, so no answer")
+        elif again is None:
+            reason = (f"the replay died of {signal.Signals(sig).name} as the rank did, but at "
+                      f"{crashsite.describe(site)}, not at {crashsite.describe(crash['site'])}: "
+                      "another fault, so no answer")
     elif replay_status == "exception" and reply.get("exit_code") == 1:
         # A Python exception in the replay: the same death when the rank died of an error exit.
         again = True if not crash.get("exit_signal") else None
@@ -237,6 +245,7 @@ def crash_replay_verdict(reply: dict, result: dict, snap_step: int, crash: dict)
         reason = f"the replay ended {replay_status or 'without a result'} before the crash step"
     out = {"reproduced": again, "crashed_again": again,
            "replay_signal": signal.Signals(sig).name if sig else None,
+           "replay_site": site, "same_site": same_site,
            "replay_status": result.get("status") if result else ("killed" if sig else None),
            "replayed_steps": sorted(result.get("steps", {})) if result else None,
            "first_divergence": result.get("first_divergence") if result else None,
@@ -247,8 +256,46 @@ def crash_replay_verdict(reply: dict, result: dict, snap_step: int, crash: dict)
 
 
 def classify_crash(verdict: Incident) -> None:
-    """Persistent when the replay crashed again, transient when it ran past the crash."""
+    """Persistent when the replay crashed again, transient when it ran past
+    the crash.  A persistent crash's causal chain is its site: the faulting
+    native frame, the Python line that led there, the death."""
     again = (verdict.replay or {}).get("crashed_again")
     if again is not None:
         verdict.update(classification="persistent" if again else "transient", track="B" if again else "A",
                        transient_cause=None if again else "unknown")
+    if again:
+        verdict.causal_chain = crash_chain(verdict)
+        site = (verdict.detail or {}).get("crash_site")
+        if site:
+            # The same instruction faulting again from the same state is the
+            # program's doing, not a device's: fix the code at the site.
+            where = crashsite.innermost(site)
+            verdict.attribution = {"cause": "software", "confidence": 0.8 if verdict.replay.get("same_site") else 0.5,
+                                   "evidence": f"the replay from step {verdict.replay.get('from_step')} died of "
+                                               f"{site.get('signal')} at the same native and Python frames"}
+            verdict.prescription = {"action": "fix_kernel", "op": where["native"], "module": where["python"],
+                                    "native": where["native_named"],
+                                    "python": where["python"], "site": crashsite.describe(site)}
+
+
+def crash_chain(verdict: Incident) -> list[dict]:
+    detail, rep = verdict.detail or {}, verdict.replay or {}
+    site, k, rank = detail.get("crash_site") or {}, verdict.detected_step, verdict.detected_rank
+    again = (f"the replay from step {rep.get('from_step')} died here again"
+             + (" (same signal, same native and Python frames)" if rep.get("same_site") else ""))
+    chain = []
+    w = crashsite.innermost(site) if site else {}
+    if w.get("native"):
+        chain.append({"kind": "native", "step": k, "rank": rank, "op": w["native"], "module": w.get("native_named"),
+                      "evidence": f"{site.get('signal')} at address {site.get('address')} in {w['native']}"
+                                  + (f", called through {w['native_named']}" if w.get("native_named") else "")
+                                  + f"; {again}"})
+    for i, py in enumerate((site.get("python") or [])[:3]):
+        chain.append({"kind": "code", "step": k, "rank": rank, "module": f"{py['file']}:{py['line']}",
+                      "op": py["function"],
+                      "evidence": ("the innermost Python frame: the call that faulted" if i == 0
+                                   else "called from here")})
+    chain.append({"kind": "detector", "step": k, "rank": rank,
+                  "evidence": f"rank {rank} died of {detail.get('how')} in step {k}"
+                              + ("" if site else f"; {again} (no frames: the rank died before writing them)")})
+    return chain

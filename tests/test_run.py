@@ -285,7 +285,46 @@ def test_a_crash_that_does_not_come_back_in_replay_is_transient(tmp_path):
     assert inc["detail"]["how"] == "signal SIGSEGV" and inc["classification"] == "transient"
     rep = inc["replay"]
     assert (rep["crashed_again"], rep["from_step"], rep["replayed_steps"]) == (False, 8, [9, 10, 11, 12])
+    assert (rep["replay_site"], rep["same_site"]) == (None, None)  # the replay did not die
     assert json.loads((tmp_path / "run" / "runtime" / "rank1.process.json").read_text())["pid"] == inc["detail"]["pid"]
+    assert inc["detail"]["crash_site"]["signal"] == "SIGSEGV" and inc["causal_chain"] is None
+
+
+@needs_bpf
+def test_a_native_crash_that_comes_back_is_persistent_with_its_site_in_the_chain(tmp_path):
+    """Rank 1 writes through a null pointer in libc (ctypes.memset(0, ...)) at
+    step 12, every time.  The live rank and its replay from the snapshot of
+    step 8 both die of SIGSEGV at the same native instruction under the same
+    Python line: persistent, one incident, and its causal chain (also in the
+    recording's causal_link table) goes from the faulting native frame
+    through the Python frames to the death."""
+    import duckdb
+
+    from watcher.run import RunConfig, run
+
+    res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True, snapshot_interval=4,
+                        copy_interval=0, inject={"scenario": "segv", "rank": 1, "step": 12}))
+    assert res.exit_code != 0
+    (inc,) = res.incidents
+    assert (inc["kind"], inc["detected_rank"], inc["detected_step"], inc["classification"]) == \
+        ("crash", 1, 12, "persistent")
+    site, rep = inc["detail"]["crash_site"], inc["replay"]
+    assert (site["signal"], site["address"]) == ("SIGSEGV", "0x0")
+    assert site["native"][0]["object"].startswith("libc.so")  # the write itself, inside libc
+    assert (site["python"][0]["function"], Path(site["python"][1]["file"]).name, site["python"][1]["function"]) \
+        == ("_null_write", "inject.py", "pre")
+    assert (rep["crashed_again"], rep["replay_signal"], rep["same_site"], rep["from_step"]) == \
+        (True, "SIGSEGV", True, 8)
+    assert rep["replay_site"]["native"][0] == dict(site["native"][0], address=rep["replay_site"]["native"][0]["address"])
+    assert (inc["attribution"]["cause"], inc["prescription"]["action"]) == ("software", "fix_kernel")
+    assert inc["prescription"]["op"] == site["native"][0]["object"] + site["native"][0]["offset"]
+    chain = inc["causal_chain"]
+    assert [c["kind"] for c in chain] == ["native", "code", "code", "code", "detector"]
+    assert chain[0]["op"].startswith("libc.so") and chain[1]["op"] == "_null_write"
+    with duckdb.connect(str(tmp_path / "run" / "recording.duckdb"), read_only=True) as db:
+        rows = db.execute("SELECT position, kind, op FROM causal_link WHERE incident_id = ? ORDER BY position",
+                          [inc["incident_id"]]).fetchall()
+    assert [(p, k) for p, k, _ in rows] == [(i, c["kind"]) for i, c in enumerate(chain)]
 
 
 @needs_bpf

@@ -32,6 +32,7 @@ from .replay.relay import ExchangeRelay, assigned_pulls
 from .replay.snapshot import replay_order
 from .replay.verdict import classify_crash, crash_replay_verdict
 from .rundir import STOP_EXIT_CODE, ReplayDir, RunDir, read_json, write_json
+from .runtime import crashsite
 from .store import rank_processes
 
 # How long the crashed rank's replay may take to answer (the orphans wait
@@ -55,11 +56,11 @@ def crash_incident(run_dir: RunDir) -> Incident | None:
         if not any(_abnormal(r) for r in ranks):
             return None  # every rank here ended well: no peer of ours crashed while we ran
         steps = {r: run_dir.read_steps(r) for r in local}
-        death = _death(crashed, steps.get(crashed["rank"], {})) if crashed else None
+        death = _death(crashed, steps.get(crashed["rank"], {}), run_dir) if crashed else None
         return _across_nodes(run_dir, job, world, local, death, steps)
     if crashed is None:
         return None  # a job that ended well reads no step log here
-    death = _death(crashed, run_dir.read_steps(crashed["rank"]))
+    death = _death(crashed, run_dir.read_steps(crashed["rank"]), run_dir)
     snaps = death["snaps"]
     verdict = _opened(run_dir.next_incident_id(), death, snaps[-1] if snaps else None)
     inc_dir = run_dir.incident_dir(verdict.incident_id).make()
@@ -84,21 +85,25 @@ def _abnormal(r: dict) -> bool:
     return bool(r["exit_signal"]) or r["exit_code"] not in (0, STOP_EXIT_CODE)
 
 
-def _death(r: dict, steps: dict) -> dict:
+def _death(r: dict, steps: dict, run_dir: RunDir) -> dict:
     """A crashed rank's death, in terms every node compares alike (the wall
-    clock: the recording's timestamps are this machine's monotonic clock)."""
+    clock: the recording's timestamps are this machine's monotonic clock),
+    with where it died when it died of a fatal signal (runtime/crashsite.py)."""
     last = max(steps) if steps else -1
     return {"rank": r["rank"], "pid": r["pid"], "exit_code": r["exit_code"], "exit_signal": r["exit_signal"],
             "end_ts": r["end_ts"], "died_wall": r["end_ts"] / 1e9 + time.time() - time.monotonic(),
             "how": (f"signal {signal.Signals(r['exit_signal']).name}" if r["exit_signal"]
                     else f"exit code {r['exit_code']}"),
-            "last_step": last, "snaps": sorted(s for s, fp in steps.items() if fp.get("snapshot"))}
+            "last_step": last, "snaps": sorted(s for s, fp in steps.items() if fp.get("snapshot")),
+            "site": crashsite.read(run_dir.crash_site(r["rank"])) if r["exit_signal"] else None}
 
 
 def _opened(incident_id: str, death: dict, snap_step: int | None) -> Incident:
     k = death["last_step"] + 1
-    return Incident.opened(incident_id, "crash", k, death["rank"], death["end_ts"],
-                           {key: death[key] for key in ("how", "pid", "exit_code", "exit_signal")}, snap_step, k)
+    detail = {key: death[key] for key in ("how", "pid", "exit_code", "exit_signal")}
+    if death.get("site"):
+        detail.update(crash_site=death["site"], where=crashsite.describe(death["site"]))
+    return Incident.opened(incident_id, "crash", k, death["rank"], death["end_ts"], detail, snap_step, k)
 
 
 def _no_replay(reason: str) -> dict:
@@ -209,4 +214,5 @@ def _replay(run_dir: RunDir, crash: dict, world: int, local: list[int], snap_ste
         result = torch.load(inc_dir.result(rank), weights_only=False)
     except Exception:
         pass
-    return crash_replay_verdict(read_json(inc_dir.crash_reply(rank)), result, snap_step, crash)
+    return crash_replay_verdict(read_json(inc_dir.crash_reply(rank)), result, snap_step, crash,
+                                crashsite.read(inc_dir.crash_site(rank)))

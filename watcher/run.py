@@ -32,7 +32,7 @@ from .incident import Incident, load_incidents, save_incident
 from .privileges import require_bcc, require_bpf_privileges
 from .rank_deaths import RankDeaths
 from .rundir import RunDir, read_json
-from .runtime import wordsum
+from .runtime import crashsite, wordsum
 from .runtime.control import PAUSE_RECORDER, SIZE, Control
 from .session import Session, SessionConfig
 from .store import Recordings, causal_link_rows, count_steps, incident_row, write_run_tables
@@ -97,11 +97,14 @@ class RunConfig:
             env["WATCHER_INJECT"] = json.dumps(self.inject)
         else:
             env.pop("WATCHER_INJECT", None)
-        lib = wordsum.build(CACHE)  # one-pass checksums; without it the ranks sum with torch
-        if lib is not None:
-            env[wordsum.ENV] = str(lib)
-        else:
-            env.pop(wordsum.ENV, None)
+        # One-pass checksums (without it the ranks sum with torch); native
+        # frames of a crash (without it a crash site has its Python frames only).
+        for mod in (wordsum, crashsite):
+            lib = mod.build(CACHE)
+            if lib is not None:
+                env[mod.ENV] = str(lib)
+            else:
+                env.pop(mod.ENV, None)
         return env
 
 
@@ -212,6 +215,9 @@ def describe(inc: dict) -> str:
         c = div.get("collective") or {}
         where = (f"; first divergence on rank {div['rank']} at step {div['step']}"
                  + (f", {c.get('op')} #{c.get('seq')}" if c else "") + f" ({div['where']})")
+    elif inc["kind"] == "crash" and (inc.get("detail") or {}).get("where"):
+        where = f"; died at {inc['detail']['where']}" + (
+            "; the replay died at the same place" if rep.get("same_site") else "")
     elif rep.get("stall"):
         s = rep["stall"]
         where = f"; rank {s['rank']} entered {s['collective']['op']} #{s['collective']['seq']} at step {s['step']} {s['wait_s']} s late"

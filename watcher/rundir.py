@@ -121,6 +121,10 @@ class ReplayDir:
     def crash_reply(self, rank: int) -> Path:
         return self.path / f"rank{rank}.crash_replay.json"
 
+    def crash_site(self, rank: int) -> Path:
+        """Where the rank's replay writes its frames if it dies of a fatal signal (runtime/crashsite.py)."""
+        return self.path / f"rank{rank}.crash.txt"
+
     def reply(self, rank: int) -> Path:
         """An orphaned or retained snapshot's reply to an order given as a file."""
         return self.path / f"rank{rank}.reply.json"
@@ -277,6 +281,10 @@ class RunDir:
 
     def steps_log(self, rank: int) -> Path:
         return self.runtime / f"rank{rank}.steps.jsonl"
+
+    def crash_site(self, rank: int) -> Path:
+        """Where the live rank writes its frames if it dies of a fatal signal (runtime/crashsite.py)."""
+        return self.runtime / f"rank{rank}.crash.txt"
 
     def logged_ranks(self) -> list[int]:
         return sorted({int(p.name[4:].split(".")[0]) for p in self.runtime.glob("rank*.steps.jsonl")})

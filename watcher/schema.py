@@ -274,11 +274,14 @@ TABLES: tuple[Table, ...] = (
     Table("causal_link", "An incident's causal chain, one row per link, root cause first (diagnosis of persistent failures).", (
         C("incident_id", "VARCHAR", "The incident."),
         C("position", "INTEGER", "0 is the root cause; the last link is the detection."),
-        C("kind", "VARCHAR", "batch, device, hyperparameter, op, loss, collective or detector."),
+        C("kind", "VARCHAR", "batch, device, hyperparameter, op, loss, collective, native (a crash's faulting "
+                             "native frame), code (a Python frame of a crash) or detector."),
         C("step", "INTEGER", "Training step of the link."),
         C("rank", "INTEGER", "Rank of the link, where it has one."),
-        C("module", "VARCHAR", "Module path (e.g. blocks.0.mlp.1), for an op."),
-        C("op", "VARCHAR", "Operator (e.g. aten::div.Tensor), for an op."),
+        C("module", "VARCHAR", "Module path (e.g. blocks.0.mlp.1), for an op; file:line for code; the "
+                               "nearest named native frame for native."),
+        C("op", "VARCHAR", "Operator (e.g. aten::div.Tensor), for an op; the function for code; object+offset "
+                           "for native."),
         C("collective", "VARCHAR", "group/seq op, for a collective."),
         C("evidence", "VARCHAR", "What the replays showed, in words."),
     )),

@@ -24,9 +24,10 @@ Scenarios (all take "rank" and "step"):
                     is NaN; a numerics bug, as an unstabilised softmax (persistent, software: precision)
   bad_cores         the rank pins itself to CPUs `cpus` (as a job pinning ranks to cores would); from `step`
                     on, a Linear's output is scaled by `factor` while it runs on them (persistent, device)
-  segv              SIGSEGV at the start of `step` (persistent crash)
-  segv_once         SIGSEGV at the start of `step`, in the live run only (a transient crash: a stray write,
-                    a machine check; the replay from the last snapshot runs past it)
+  segv              a native write through a null pointer (libc's memset, by ctypes) at the start of `step`:
+                    SIGSEGV in native code, every time (persistent crash)
+  segv_once         the same, in the live run only (a transient crash: a stray write, a machine check; the
+                    replay from the last snapshot runs past it)
   link_reset        shut down the rank's gloo connections before one collective (transient network fault)
   net_blackhole     before one collective, every packet arriving on the rank's gloo connections is dropped
                     (a socket filter): the connections neither deliver nor reset, and the collective waits
@@ -43,7 +44,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import signal
 import socket
 import time
 
@@ -54,6 +54,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch",
              "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "segv_once",
              "merge_bitflip")
+
+
+def _null_write() -> None:
+    """A real native bug: libc writes through a null pointer."""
+    ctypes.memset(0, 0, 8)
 
 
 def _flip_top_exponent_bit(t: torch.Tensor) -> None:
@@ -157,7 +162,7 @@ def _arm_one(rt, f: dict) -> None:
             if rt.step + 1 != step or opt is not rt.main_opt or not mine():
                 return
             if kind == "segv" or kind == "segv_once" and once():
-                os.kill(os.getpid(), signal.SIGSEGV)
+                _null_write()
             if kind != "lr_spike":
                 return
             for g in opt.param_groups:

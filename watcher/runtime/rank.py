@@ -38,7 +38,7 @@ from ..replay.protocol import handle_incident
 from ..replay.snapshot import ForkSnapshot, SnapshotPolicy
 from ..replay.state_copy import CopyPolicy, StateCopies
 from ..rundir import STOP_EXIT_CODE, RunDir, write_json
-from . import collectives, inject, relink, remedies, transport
+from . import collectives, crashsite, inject, relink, remedies, transport
 from .checksum import PARTS, ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum
 from .collectives import computed_in_replay
 from .control import PAUSE_RUNTIME, Control, process_state
@@ -187,6 +187,7 @@ class RankRuntime:
             write_json(self.rundir.rank_process(self.rank), {"pid": os.getpid(), "start_ticks": me and me[1]})
         except OSError:
             pass
+        crashsite.arm(self.rundir.crash_site(self.rank))  # where this rank dies, if it dies of a signal
         self.handled_seq = self.ctl.incident_seq
         self.watchdog = threading.Thread(target=self._watchdog, name="watcher-watchdog", daemon=True)
         self.watchdog.start()

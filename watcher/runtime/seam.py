@@ -9,7 +9,7 @@ requests below, carried out by the runtime.  tests/test_structure.py holds
 replay to this list.
 
 Replay may also import the runtime's leaf modules, which hold no rank state:
-checksum, collectives (its public names), control, training, window, wordsum.
+checksum, collectives (its public names), control, crashsite, training, window, wordsum.
 """
 
 from __future__ import annotations

@@ -9,11 +9,10 @@ and gets the same values.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import subprocess
-import tempfile
 from pathlib import Path
+
+from . import native
 
 SOURCE = Path(__file__).with_name("wordsum.c")
 ENV = "WATCHER_WORDSUM"
@@ -28,27 +27,7 @@ FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 def build(cache_dir: Path) -> Path | None:
     """Compile wordsum.c into `cache_dir` (once per source); None if it cannot be built."""
-    try:
-        src = SOURCE.read_bytes()
-        key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
-        out = Path(cache_dir) / f"wordsum-{key}.so"
-        if out.exists():
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as d:
-            tmp = Path(d) / out.name
-            for compiler in ("cc", "gcc"):
-                try:
-                    r = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE)],
-                                       capture_output=True, timeout=60)
-                except FileNotFoundError:
-                    continue
-                if r.returncode == 0:
-                    os.replace(tmp, out)  # atomic: a concurrent build never loads half a file
-                    return out
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return None
+    return native.build(SOURCE, FLAGS, cache_dir)
 
 
 def load(path: str | None):
