@@ -115,7 +115,10 @@ def make_plan(rt: Rank, info: dict, inc_dir: IncidentDir) -> dict:
     plan = {"failing_step": k, "from_step": v, "to_step": max(k, halt), "reason": None if v is not None else why}
     if v is None:
         return plan
-    copy = newest_usable_copy(log, v, k) if newest_first else None
+    # A state copy serves a quick recovery; a stuck rank (a hang handled
+    # while its training thread is blocked) cannot be recovered into.
+    stuck = any(a.get("stuck") for a in arrived)
+    copy = newest_usable_copy(log, v, k) if newest_first and not stuck else None
     if copy is not None:
         plan.update(fork_step=v, from_step=copy, state_copy=copy)
     return _timed(plan, log.durations(0))

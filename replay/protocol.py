@@ -35,7 +35,11 @@ from .rounds import WAIT_S, await_replays, forget_published, remove_tree, replay
 from .verdict import DIAGNOSED, copy_outcome, decide
 
 
-def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False) -> None:
+def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False, stuck: dict | None = None) -> None:
+    """With `stuck` (where the training thread is: its step, collectives in
+    flight, frames), a hang handled by the rank's watchdog while its training
+    thread is blocked (runtime/rank.py): replayed and judged as usual, but
+    nothing can be merged into a thread that does not move."""
     ctl, k, iid = rt.ctl, rt.step, info["incident_id"]
     inc_dir = rt.rundir.incident_dir(iid).make()
     t_halt = time.monotonic_ns()
@@ -43,10 +47,11 @@ def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False) -> None
     snaps, copies = rt.usable_snapshots(), rt.copies.held() if rt.copies is not None else []
     rt.rundir.put(inc_dir.arrive(rt.rank),
                   {"rank": rt.rank, "step": k, "snapshots": snaps, "pid": os.getpid(),
-                   "unsupported": rt.unsupported, "copies": copies, "log": log_excerpt(rt, snaps + copies, info)})
+                   "unsupported": rt.unsupported, "copies": copies, "log": log_excerpt(rt, snaps + copies, info),
+                   "stuck": stuck})
     ctl.arrive(rt.rank, seq, k)
     say(rt, f"incident {iid} ({info['kind']} at step {info['failing_step']}, rank {info['rank']}): "
-            f"halted at step {k}, replaying")
+            + (f"stuck after step {k}, replaying from the watchdog" if stuck else f"halted at step {k}, replaying"))
     verdict = None
     plan = {}
     result_dir = None
@@ -119,15 +124,29 @@ def handle_incident(rt: Rank, seq: int, info: dict, final: bool = False) -> None
             rt.rundir.put(inc_dir.replayed(rt.rank), {"rank": rt.rank, "error": str(e)})
     rt.incident_handled(seq)
     remove_tree(exchange_dir(rt.window_dir, iid))
-    _go_on(rt, info, plan, inc_dir, result_dir, verdict, t_halt, final)
+    _go_on(rt, info, plan, inc_dir, result_dir, verdict, t_halt, final, stuck)
 
 
 def _go_on(rt: Rank, info: dict, plan: dict, inc_dir, result_dir, verdict: Incident | None, t_halt: int,
-           final: bool) -> None:
-    """After the verdict: recover, diagnose, keep the snapshot, or stop."""
+           final: bool, stuck: dict | None = None) -> None:
+    """After the verdict: recover, diagnose, keep the snapshot, or stop.
+
+    A stuck hang that is persistent would block again wherever the job went
+    on: it stops (unless observing).  One that is transient (its replay ran
+    past the point) is left to move on by itself: the stuck thread cannot be
+    given the replayed state, and stopping a job that may still move is not
+    Watcher's call."""
     iid = info["incident_id"]
     recovered = False
-    acting = rt.policy in ("recover", "apply") and not final
+    acting = rt.policy in ("recover", "apply") and not final and stuck is None
+    if stuck is not None and verdict and verdict.classification == "transient":
+        if rt.rank == 0:
+            verdict.recovery = {"possible": False, "reason": "the rank is stuck outside any collective and its "
+                                "training thread cannot take the replayed state; the job is left to move on"}
+            save_incident(rt.rundir, verdict)
+        _close(rt, inc_dir, iid)
+        say(rt, f"incident {iid}: transient, but the training thread is stuck: left as it is")
+        return
     if verdict:
         say(rt, f"incident {iid}: {verdict.classification or 'unclassified'}"
                 + (f" ({verdict.transient_cause})" if verdict.transient_cause else ""))

@@ -43,7 +43,7 @@ def decide(rt: Rank, info: dict, plan: dict, out: ReplayDir, log: JobLog,
     timed_out = [r for r in range(world) if replayed[r].get("timed_out")]
     exact = all(statuses[r] == "done" and all(s["match"] for s in results[r]["steps"].values())
                 and all(c["match"] for c in results[r]["colls"]) for r in range(world))
-    stall = find_stall(rt, plan, log) if info["kind"] == "hang" else None
+    stall = (stuck_rank(rt, info["incident_id"]) or find_stall(rt, plan, log)) if info["kind"] == "hang" else None
     if info["kind"] == "replay_check":  # a healthy window replayed on request: no failure to classify
         verdict.replay = {"reproduced": None, "exact": exact, "first_divergence": div,
                           "per_rank": {r: {"status": statuses[r], "steps": len(results[r].get("steps", {})),
@@ -72,6 +72,7 @@ def decide(rt: Rank, info: dict, plan: dict, out: ReplayDir, log: JobLog,
                          "mismatched_steps": sorted(k for k, s in results[r].get("steps", {}).items()
                                                     if not s["match"]),
                          "wall_s": replayed[r].get("wall_s"), "exit_code": replayed[r].get("exit_code"),
+                         "timed_out": bool(replayed[r].get("timed_out")),
                          "replay_s": round(results[r]["wall_ns"] / 1e9, 3) if results[r].get("wall_ns") else None,
                          "exchange_ms": results[r].get("exchange_ms")}
                      for r in range(world)},
@@ -161,6 +162,23 @@ def find_stall(rt: Rank, plan: dict, log: JobLog) -> dict | None:
             best = {"rank": late, "step": c["step"], "wait_s": round(wait / 1e9, 3),
                     "collective": {"group": key[0], "seq": key[1], "op": c["op"]}}
     return best
+
+
+def stuck_rank(rt: Rank, incident_id: str) -> dict | None:
+    """A hang handled while the ranks were stuck (runtime/rank.py): the rank
+    outside every collective, whom the others wait for inside one, with its
+    step and where its training thread was (Python frames, system call)."""
+    inc_dir = rt.rundir.incident_dir(incident_id)
+    found = []
+    for r in range(rt.world):
+        try:
+            s = (rt.rundir.get(inc_dir.arrive(r)) or {}).get("stuck")
+        except Exception:
+            s = None
+        if s and s.get("in_flight") == 0:
+            found.append({"rank": r, "step": s["step"], "outside_collective": True, "where": s.get("where"),
+                          "collective": None, "wait_s": None})
+    return min(found, key=lambda f: (f["step"], f["rank"])) if found else None
 
 
 def earlier_transients(rt: Rank, rank: int, step: int) -> list[str]:

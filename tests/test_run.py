@@ -328,6 +328,42 @@ def test_a_native_crash_that_comes_back_is_persistent_with_its_site_in_the_chain
 
 
 @needs_bpf
+def test_a_hang_that_repeats_in_replay_is_persistent_and_stops_the_job(tmp_path):
+    """Rank 1 reads a pipe nobody writes to at step 12, every time: stuck
+    outside any collective, its peer waiting inside one, so no rank ever
+    reaches a halt step.  The stall is reported; past the hang limit the
+    ranks' watchdogs handle the hang themselves: the replay from the snapshot
+    blocks in the same read until its timeout (from the healthy steps), so
+    the hang is persistent, rank 1 is named with its step and system call,
+    the snapshot is kept for diagnosis, and the job is stopped, not left
+    hanging."""
+    from watcher.rundir import STOP_EXIT_CODE
+    from watcher.run import RunConfig, run
+
+    from watcher.store import rank_processes
+
+    res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True, snapshot_interval=4,
+                        detect={"hang_seconds": 3.0}, inject={"scenario": "hang_pipe", "rank": 1, "step": 12}))
+    assert res.exit_code != 0
+    assert {r["rank"]: r["exit_code"] for r in rank_processes(tmp_path / "run" / "recording.duckdb")} == \
+        {0: STOP_EXIT_CODE, 1: STOP_EXIT_CODE}
+    by_kind = {i["kind"]: i for i in res.incidents}
+    assert sorted(by_kind) == ["hang", "stall"]
+    stall = by_kind["stall"]
+    assert (stall["detected_rank"], stall["detected_step"], stall["detail"]["where"]["syscall"]) == (1, 12, "read")
+    inc = by_kind["hang"]
+    assert (inc["classification"], inc["track"]) == ("persistent", "B")
+    rep = inc["replay"]
+    assert rep["reproduced"] is True and rep["per_rank"]["1"]["timed_out"] is True
+    st = rep["stall"]
+    assert (st["rank"], st["step"], st["outside_collective"], st["where"]["syscall"]) == (1, 12, True, "read")
+    assert st["where"]["python"][0].split(" in ")[-1] == "_read_forever"
+    assert inc["snapshot"]["retained"] is True and inc["window"]["from_step"] == 8
+    steps = [read_steps(tmp_path / "run", r) for r in (0, 1)]
+    assert (max(steps[0]), max(steps[1])) == (12, 11)  # stopped where they were stuck
+
+
+@needs_bpf
 def test_a_stalled_rank_is_reported_in_seconds_and_the_job_goes_on(tmp_path, plain_reference):
     """Rank 1 sleeps 20 s before a collective of step 12, in a job of ~25-ms
     steps: a stall incident names rank 1 and step 12 within seconds, where it

@@ -218,6 +218,12 @@ def describe(inc: dict) -> str:
     elif inc["kind"] == "crash" and (inc.get("detail") or {}).get("where"):
         where = f"; died at {inc['detail']['where']}" + (
             "; the replay died at the same place" if rep.get("same_site") else "")
+    elif (rep.get("stall") or {}).get("outside_collective"):
+        s = rep["stall"]
+        w = s.get("where") or {}
+        where = (f"; rank {s['rank']} stuck outside any collective in step {s['step']}"
+                 + (f" at {w['training_line']}" if w.get("training_line") else "")
+                 + (f", in {w['syscall']}" if w.get("syscall") else ""))
     elif rep.get("stall"):
         s = rep["stall"]
         where = f"; rank {s['rank']} entered {s['collective']['op']} #{s['collective']['seq']} at step {s['step']} {s['wait_s']} s late"

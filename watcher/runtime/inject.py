@@ -28,6 +28,8 @@ Scenarios (all take "rank" and "step"):
                     SIGSEGV in native code, every time (persistent crash)
   segv_once         the same, in the live run only (a transient crash: a stray write, a machine check; the
                     replay from the last snapshot runs past it)
+  hang_pipe         at the start of `step`'s optimizer step, read a pipe nobody writes to, every time: the rank
+                    is stuck outside any collective and its peers wait inside one (persistent hang)
   link_reset        shut down the rank's gloo connections before one collective (transient network fault)
   net_blackhole     before one collective, every packet arriving on the rank's gloo connections is dropped
                     (a socket filter): the connections neither deliver nor reset, and the collective waits
@@ -52,8 +54,14 @@ from torch.nn.modules.module import register_module_forward_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch",
-             "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "segv_once",
+             "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "segv_once", "hang_pipe",
              "merge_bitflip")
+
+
+def _read_forever() -> None:
+    """A read that never returns: a pipe whose writer never writes."""
+    r, w = os.pipe()
+    os.read(r, 1)
 
 
 def _null_write() -> None:
@@ -156,13 +164,15 @@ def _arm_one(rt, f: dict) -> None:
             if meta["step"] == step and once():
                 time.sleep(float(f.get("seconds", 5)))
         rt.fault_hooks.append(("before_collective", hook))
-    elif kind in ("lr_spike", "segv", "segv_once"):
+    elif kind in ("lr_spike", "segv", "segv_once", "hang_pipe"):
 
         def pre(opt, args, kwargs):
             if rt.step + 1 != step or opt is not rt.main_opt or not mine():
                 return
             if kind == "segv" or kind == "segv_once" and once():
                 _null_write()
+            if kind == "hang_pipe":
+                _read_forever()
             if kind != "lr_spike":
                 return
             for g in opt.param_groups:

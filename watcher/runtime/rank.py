@@ -44,9 +44,13 @@ from .collectives import computed_in_replay
 from .control import PAUSE_RUNTIME, Control, process_state
 from .nodes import NodeLayout, NodeLink
 from .samples import row_digests, without_rows
-from .stall import StallWatch
+from .stall import StallWatch, where_waiting
 from .training import optimizer_params, scan_training_objects
 from .window import END_OF_DATA, SegmentWriter, segment_paths, segment_step
+
+# A hang whose halt step no rank reaches is handled by the watchdog after this
+# long without progress past seeing it (the hang limit, within these bounds).
+STUCK_GRACE_MIN_S, STUCK_GRACE_MAX_S = 5.0, 60.0
 
 RUNTIME: "RankRuntime | None" = None
 
@@ -91,6 +95,12 @@ class RankRuntime:
         self.hook_t0 = self.fp_perf = 0
         self.step_ns: list[int] = []
         self.handled_seq = 0
+        # The incident one thread has taken to handle: the training thread at
+        # the halt step, or the watchdog when no rank can reach it (stuck).
+        self.claimed_seq = 0
+        self.claim_lock = threading.Lock()
+        self.seen_incident = (0, 0)   # (seq, monotonic ns) when this rank first saw an open hang
+        self.stuck_seq = 0            # the incident handled while the training thread was stuck
         self.replicated = None        # do all ranks hold identical parameters (DDP)?
         self.replica_votes = 0        # steps so far on which they did (check_replicas)
         self.sdc_checked = -1
@@ -514,6 +524,11 @@ class RankRuntime:
                 self.handled_seq = seq  # recorded, not replayed: `watcher run` writes it up
                 if self.rank == 0:
                     self.ctl.verdict_seq = max(self.ctl.verdict_seq, seq)  # the next incident may open
+            elif k >= info["halt_step"] and not self.claim_incident(seq):
+                # The watchdog handled it while this thread was stuck (out of
+                # band): wait for its end, then go on from here.
+                while self.handled_seq < seq:
+                    time.sleep(0.01)
             elif k >= info["halt_step"]:
                 # The halt and the replay are not training time: no stall, no
                 # hang (the watchdog skips while this is None), no step-time sample.
@@ -640,6 +655,14 @@ class RankRuntime:
     def incident_handled(self, seq: int) -> None:
         self.handled_seq = seq
 
+    def claim_incident(self, seq: int) -> bool:
+        """Take incident `seq` to handle; False if another thread of this rank has."""
+        with self.claim_lock:
+            if seq <= max(self.claimed_seq, self.handled_seq):
+                return False
+            self.claimed_seq = seq
+            return True
+
     def retain_snapshot(self, step: int, incident_id: str) -> None:
         snap = self.snapshot_at(step)
         if snap is None:
@@ -713,9 +736,42 @@ class RankRuntime:
                                    "last_step_by_rank": ends}})
                 if self.waiting:
                     self._abort_stuck_collectives()
+                self._handle_if_stuck(limit)
             except Exception as e:
                 self.fail(e)
                 return
+
+    def _handle_if_stuck(self, limit: float) -> None:
+        """A hang whose halt step no rank will reach: one rank is stuck outside
+        any collective (a read that never returns, a lock never released) and
+        its peers wait for it inside one.  Once this rank has made no progress
+        for a grace period after seeing the hang, this thread handles the
+        incident itself, the training thread left where it is: the same
+        protocol, every rank's watchdog arriving in place of its training
+        thread (replay/protocol.py, `stuck`).  The replays start from the
+        snapshots, which are separate processes, so nothing here needs the
+        stuck thread."""
+        seq = self.ctl.incident_seq
+        if seq <= self.handled_seq or self.exiting or self.ctl.incident_seq != seq:
+            return
+        info = self.ctl.incident(seq)
+        if info.get("kind") != "hang" or info.get("resolved") or self.unsupported or info.get("unsupported"):
+            return
+        now = time.monotonic_ns()
+        if self.seen_incident[0] != seq:
+            self.seen_incident = (seq, now)
+            return
+        grace = max(STUCK_GRACE_MIN_S, min(limit, STUCK_GRACE_MAX_S))
+        end = self.last_end_ns
+        if end is None or end > self.seen_incident[1] or (now - self.seen_incident[1]) / 1e9 < grace:
+            return  # moving (or halted at the step already): the halt step will come
+        if not self.claim_incident(seq):
+            return
+        self.stuck_seq = seq
+        # Where this rank is stuck: outside any collective (the one its peers
+        # wait for) or inside one (a waiter), and its training thread's frames.
+        stuck = {"step": self.step + 1, "in_flight": self.in_flight, "where": where_waiting(threading.main_thread())}
+        handle_incident(self, seq, info, stuck=stuck)
 
     def _abort_stuck_collectives(self) -> None:
         """Per-operation timeout: a collective that every member of its group
@@ -791,7 +847,7 @@ class RankRuntime:
             return
         try:
             seq = self.ctl.incident_seq
-            if seq > self.handled_seq and not self.ctl.incident(seq).get("resolved"):
+            if seq > self.handled_seq and not self.ctl.incident(seq).get("resolved") and self.claim_incident(seq):
                 handle_incident(self, seq, self.ctl.incident(seq), final=True)
         except Exception as e:
             self.fail(e)
