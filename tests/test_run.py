@@ -176,12 +176,12 @@ def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
     out = tmp_path / "drills.json"
     # The persistent drills diagnosed by counterfactual replay are in test_diagnose.py.
     p = watcher("drill", "--steps", "22", "--out", str(tmp_path / "d"), "--json", str(out), "--scenario",
-                "grad_bitflip,allreduce_corrupt,stall,link_reset,net_blackhole,merge_bitflip,two_transients,segv",
-                timeout=1200)
+                "grad_bitflip,allreduce_corrupt,stall,link_reset,net_blackhole,merge_bitflip,two_transients,segv,"
+                "long_stall,hang_pipe", timeout=1500)
     card = json.loads(out.read_text())["scenarios"]
     by = {row["scenario"]: row for row in card}
     assert set(by) == {"grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "merge_bitflip",
-                       "two_transients", "segv"}
+                       "two_transients", "segv", "long_stall", "hang_pipe"}
     failed = [r for r in card if not r["pass"]]
     assert not failed, f"{failed}\n{p.stdout}\n{p.stderr[-3000:]}"
     assert p.returncode == 0
@@ -200,6 +200,11 @@ def test_drills_detect_localise_and_classify_every_scenario(tmp_path):
     assert by["two_transients"]["incidents"] == 2
     assert by["merge_bitflip"]["merge_retried"] is True  # the corrupted merge was caught and redone
     assert by["segv"]["classification"] == "persistent"
+    # A 20-s stall is a report, and the run goes on; a hang that repeats in replay is persistent.
+    assert (by["long_stall"]["localised"], by["long_stall"]["bit_identical"], by["long_stall"]["exit_code"]) == \
+        ("rank 1 step 12 in clock_nanosleep", True, 0)
+    assert (by["hang_pipe"]["classification"], by["hang_pipe"]["localised"]) == \
+        ("persistent", "rank 1 step 12 outside collectives, in read")
 
 
 def test_run_rejects_bad_input_with_one_line(tmp_path):

@@ -36,8 +36,8 @@ class Scenario:
     name: str
     inject: dict
     kinds: tuple           # acceptable detected kinds
-    classification: str
-    where: str | None = None       # compute | communication | stall | crash
+    classification: str | None     # None: a report (a stall), not a verdict
+    where: str | None = None       # compute | communication | stall | crash | reported
     detect: dict = field(default_factory=dict)
     also: list = field(default_factory=list)  # further faults in the same run (with their own rank/step)
     incidents: int = 1                         # how many incidents the faults make
@@ -82,6 +82,12 @@ SCENARIOS = [
     Scenario("adjust_lr", {"scenario": "lr_spike", "factor": 1000.0}, ("loss_spike", "non_finite"), "persistent",
              attribution="params", policy="apply"),
     Scenario("segv", {"scenario": "segv"}, ("crash",), "persistent", "crash"),
+    # A 20-s stall in a job of ~25-ms steps: reported within seconds, nothing
+    # halted, the run goes on and ends as a fault-free one.
+    Scenario("long_stall", {"scenario": "stall", "seconds": 20}, ("stall",), None, "reported"),
+    # A rank that blocks in a read at the step, in replay too: persistent, and stopped.
+    Scenario("hang_pipe", {"scenario": "hang_pipe"}, ("hang",), "persistent", "stall",
+             detect={"hang_seconds": 3.0}),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -96,6 +102,9 @@ def _job(steps: int, run_dir: Path, ranks: int = 2) -> list[str]:
 
 
 def score(s: Scenario, incidents: list[dict]) -> dict:
+    if "stall" not in s.kinds:
+        # A stall report before a hang is the same fault seen early, not another incident.
+        incidents = [i for i in incidents if i["kind"] != "stall"]
     inc = incidents[0] if incidents else None
     row = {"scenario": s.name, "injected": f"rank {FAULT_RANK} step {FAULT_STEP}",
            "detected": None, "classification": None, "localised": None, "replay_exact": None, "pass": False}
@@ -114,7 +123,14 @@ def score(s: Scenario, incidents: list[dict]) -> dict:
     elif s.where == "stall":
         st = rep.get("stall") or {}
         loc = st.get("rank") == FAULT_RANK and st.get("step") == FAULT_STEP
-        row["localised"] = f"rank {st.get('rank')} step {st.get('step')} {(st.get('collective') or {}).get('op')}" if st else "none"
+        what = (f"outside collectives, in {(st.get('where') or {}).get('syscall')}" if st.get("outside_collective")
+                else (st.get("collective") or {}).get("op"))
+        row["localised"] = f"rank {st.get('rank')} step {st.get('step')} {what}" if st else "none"
+    elif s.where == "reported":
+        w = (inc.get("detail") or {}).get("where") or {}
+        loc = inc.get("detected_rank") == FAULT_RANK and inc.get("detected_step") == FAULT_STEP
+        row["localised"] = f"rank {inc.get('detected_rank')} step {inc.get('detected_step')} in {w.get('syscall')}"
+        row["incidents"] = len(incidents)
     elif s.where == "link":
         c = (inc.get("recovery") or {}).get("collective") or {}
         loc = inc.get("detected_step") == FAULT_STEP and c.get("op") == "allreduce"
@@ -123,7 +139,7 @@ def score(s: Scenario, incidents: list[dict]) -> dict:
         loc = inc.get("detected_rank") == FAULT_RANK and inc.get("detected_step") == FAULT_STEP
         row["localised"] = f"rank {inc.get('detected_rank')} step {inc.get('detected_step')}"
     row["pass"] = bool(inc["kind"] in s.kinds and inc.get("classification") == s.classification
-                       and (loc is None or loc))
+                       and (loc is None or loc) and (s.where != "reported" or len(incidents) == 1))
     if s.attribution:
         att, pre = inc.get("attribution") or {}, inc.get("prescription") or {}
         row["attribution"] = f"{att.get('cause')} ({pre.get('action')})" if att else None
@@ -201,7 +217,7 @@ def run_drills(which: str, steps: int, out: Path, json_out: Path | None, retain_
         row["exit_code"] = res.exit_code
         sha = _final_sha(run_dir)
         row["bit_identical"] = (sha == _final_sha(base_dir)) if sha else None
-        if s.classification == "transient":
+        if s.classification == "transient" or s.where == "reported":
             row["pass"] = row["pass"] and row["bit_identical"] is True and res.exit_code == 0
         if s.policy == "apply":
             loss = _final_loss(run_dir)
