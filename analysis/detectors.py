@@ -6,6 +6,7 @@
 | loss_spike | loss > median + Z * 1.4826 * MAD over the last W steps (after M steps) | Z=8, W=32, M=8 |
 | sdc        | replicas disagree: parameter checksums differ across ranks under DDP   | on      |
 | stall      | a rank no collective of which waits on its peers makes no progress for max(S, F * median step time): reported (the rank, the step, its Python line and system call), never halted | S=2 s, F=10 |
+| straggler  | a rank whose own time per step (the step minus its time inside collectives), median over the last W steps, is F times its peers' median and D ms more, at two checks in a row (every W/2 steps): reported with the ratio, never halted | F=1.5, D=10 ms, W=16 |
 | hang       | no step end for max(T, K * median step time)                           | T=300 s, K=20 |
 | crash      | a rank exits non-zero or by signal (seen by `watcher run`)             | on      |
 | stuck collective | every member of a group inside the same collective for C seconds: aborted and retried on a new transport (`collective_timeout`, 0 = off) | C=600 s |
@@ -34,6 +35,10 @@ class Detectors:
     stall: bool = True
     stall_seconds: float = 2.0
     stall_factor: float = 10.0
+    straggler: bool = True
+    straggler_factor: float = 1.5
+    straggler_min_ms: float = 10.0
+    straggler_window: int = 16
     hang_seconds: float = 300.0
     hang_factor: float = 20.0
     collective_timeout: float = 600.0

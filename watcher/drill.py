@@ -102,9 +102,9 @@ def _job(steps: int, run_dir: Path, ranks: int = 2) -> list[str]:
 
 
 def score(s: Scenario, incidents: list[dict]) -> dict:
-    if "stall" not in s.kinds:
-        # A stall report before a hang is the same fault seen early, not another incident.
-        incidents = [i for i in incidents if i["kind"] != "stall"]
+    # Reports (a stall before a hang is the same fault seen early; a straggler
+    # is a rank's pace) are not verdicts: scored only where they are the point.
+    incidents = [i for i in incidents if i["kind"] not in ("stall", "straggler") or i["kind"] in s.kinds]
     inc = incidents[0] if incidents else None
     row = {"scenario": s.name, "injected": f"rank {FAULT_RANK} step {FAULT_STEP}",
            "detected": None, "classification": None, "localised": None, "replay_exact": None, "pass": False}

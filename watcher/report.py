@@ -55,14 +55,30 @@ def _stall_lines(inc: dict) -> list[str]:
     return lines
 
 
+def _straggler_lines(inc: dict) -> list[str]:
+    """A straggler is a report: who is slow, by how much, measured how."""
+    d = inc.get("detail") or {}
+    return [f"{inc['incident_id']}: straggler at step {inc.get('detected_step')}: rank {inc.get('detected_rank')} "
+            f"-> reported, not halted ({d.get('ratio')}x its peers)",
+            f"  {d.get('own_ms')} ms of its own per step against {d.get('peers_own_ms')} ms "
+            f"(median of {d.get('peers')} peer(s)), over the last {d.get('window_steps')} steps"]
+
+
 def incident_lines(inc: dict) -> list[str]:
     if inc["kind"] == "stall":
         return _stall_lines(inc)
+    if inc["kind"] == "straggler":
+        return _straggler_lines(inc)
     rep = inc.get("replay") or {}
+    st = rep.get("stall") or {}
     lines = [f"{inc['incident_id']}: {inc['kind']} at step {inc.get('detected_step')} on rank {inc.get('detected_rank')}"
              f" -> {inc.get('classification') or 'unclassified'}"
              + (f" ({inc['transient_cause']})" if inc.get("transient_cause") else "")
              + (f", replay reproduced: {rep.get('reproduced')}" if rep else "")]
+    if st.get("outside_collective"):
+        w = st.get("where") or {}
+        lines.append(f"  rank {st['rank']} stuck outside any collective in step {st['step']}, at "
+                     f"{w.get('training_line') or '?'}" + (f", in {w['syscall']}" if w.get("syscall") else ""))
     att = inc.get("attribution")
     if att:
         lines.append(f"  attribution: {att['cause']} (confidence {att.get('confidence')})")

@@ -209,6 +209,11 @@ def describe(inc: dict) -> str:
                 + (f" at {w['training_line']}" if w.get("training_line") else "")
                 + (f", in {w['syscall']}" if w.get("syscall") else "")
                 + (f"; went on after {d['stalled_s']} s" if d.get("stalled_s") is not None else "; never went on"))
+    if inc["kind"] == "straggler":
+        d = inc.get("detail") or {}
+        return (f"watcher: {inc['incident_id']}: straggler: rank {inc['detected_rank']} at step "
+                f"{inc['detected_step']}: {d.get('own_ms')} ms of its own per step against its peers' "
+                f"{d.get('peers_own_ms')} ms ({d.get('ratio')}x)")
     div = rep.get("first_divergence")
     where = ""
     if div:

@@ -7,6 +7,7 @@ atomic rename, so a reader never sees half a file.
 
     header  magic | incident_seq | plan_seq | verdict_seq | paused (a measurement: PAUSE_RUNTIME | PAUSE_RECORDER)
     slot r  arrived_seq | arrived_step | copy interval wanted | fork interval wanted | ring of RING (step, param_sum)
+            | pace (step, median own ns per step: straggler.py)
 
 One control file per node.  On a multi-node job a NodeLink (nodes.py) keeps
 it a replica of the job's: the header words are the job's, and the other
@@ -29,8 +30,9 @@ MAX_RANKS = 1024
 AGREE_EVERY = 16  # steps between readings of the other ranks' wanted copy and fork intervals
 RING = 8
 HEADER = 64
-SLOT = 32 + RING * 16
 RING_AT = 32
+PACE_AT = RING_AT + RING * 16
+SLOT = PACE_AT + 16
 PAUSE_RUNTIME, PAUSE_RECORDER = 1, 2  # bits of the `paused` word
 SIZE = HEADER + MAX_RANKS * SLOT
 GONE = -2  # a slot's arrived word when its rank failed open
@@ -71,6 +73,7 @@ class Control:
                 _QQ.pack_into(self.mm, HEADER + r * SLOT + 16, 0, 0)
                 for i in range(RING):
                     _QQ.pack_into(self.mm, HEADER + r * SLOT + RING_AT + i * 16, -1, 0)
+                _QQ.pack_into(self.mm, HEADER + r * SLOT + PACE_AT, -1, 0)
 
     # -- header words --------------------------------------------------------------
     def _get(self, i: int) -> int:
@@ -107,6 +110,17 @@ class Control:
     def latest_step(self, rank: int) -> int:
         base = HEADER + rank * SLOT + RING_AT
         return max(_QQ.unpack_from(self.mm, base + i * 16)[0] for i in range(RING))
+
+    def set_pace(self, rank: int, step: int, own_ns: int) -> None:
+        # Value first, step last (a reader pairing a new step with an old
+        # value would misjudge one check in two; the next check repairs it).
+        _Q.pack_into(self.mm, HEADER + rank * SLOT + PACE_AT + 8, own_ns)
+        _Q.pack_into(self.mm, HEADER + rank * SLOT + PACE_AT, step)
+
+    def pace(self, rank: int) -> tuple[int, int] | None:
+        """(step, median own ns per step) as `rank` last published it, or None."""
+        step, own = _QQ.unpack_from(self.mm, HEADER + rank * SLOT + PACE_AT)
+        return (step, own) if step >= 0 else None
 
     def arrive(self, rank: int, seq: int, step: int) -> None:
         _QQ.pack_into(self.mm, HEADER + rank * SLOT, seq, step)

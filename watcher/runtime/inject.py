@@ -28,6 +28,8 @@ Scenarios (all take "rank" and "step"):
                     SIGSEGV in native code, every time (persistent crash)
   segv_once         the same, in the live run only (a transient crash: a stray write, a machine check; the
                     replay from the last snapshot runs past it)
+  slow_rank         from `step` on, sleep `ms` (default 40) in every step before its computation: a rank
+                    persistently slower than its peers (a straggler; nothing is wrong with its results)
   hang_pipe         at the start of `step`'s optimizer step, read a pipe nobody writes to, every time: the rank
                     is stuck outside any collective and its peers wait inside one (persistent hang)
   link_reset        shut down the rank's gloo connections before one collective (transient network fault)
@@ -54,7 +56,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch",
-             "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "segv_once", "hang_pipe",
+             "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "segv_once", "hang_pipe", "slow_rank",
              "merge_bitflip")
 
 
@@ -186,6 +188,16 @@ def _arm_one(rt, f: dict) -> None:
             # batch as it arrived, so replays are served the NaN from there.
             if rt_.step + 1 == step and isinstance(batch, (list, tuple)) and len(batch) > 2 and once():
                 batch[2][sample] = float("nan")
+            return batch
+        rt.fault_hooks.append(("batch", batch_hook))
+    elif kind == "slow_rank":
+        pause = float(f.get("ms", 40)) / 1000
+
+        def batch_hook(rt_, batch):
+            # A slow device or a noisy neighbour: every step from `step` on,
+            # outside any collective, live and in replay alike.
+            if rt_.step + 1 >= step and mine():
+                time.sleep(pause)
             return batch
         rt.fault_hooks.append(("batch", batch_hook))
     elif kind == "bad_sample":

@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..rundir import write_json
-from .control import GONE, HEADER, RING, RING_AT, SLOT, Control
+from .control import GONE, HEADER, PACE_AT, RING, RING_AT, SLOT, Control
 
 # The relay's period: replica checks tolerate a lag of several steps (they
 # look back 7) and arrival waits are the cold path; every period costs the
@@ -237,6 +237,7 @@ class NodeLink:
             src = blob[at + 8: at + 8 + SLOT]
             base = HEADER + r * SLOT
             mm[base + 16: base + RING_AT] = src[16:RING_AT]  # wanted intervals
+            mm[base + PACE_AT: base + SLOT] = src[PACE_AT:SLOT]  # pace (one reading; straggler.py)
             for i in range(RING):
                 off = RING_AT + i * 16
                 step, value = _QQ.unpack_from(src, off)

@@ -45,6 +45,7 @@ from .control import PAUSE_RUNTIME, Control, process_state
 from .nodes import NodeLayout, NodeLink
 from .samples import row_digests, without_rows
 from .stall import StallWatch, where_waiting
+from .straggler import StragglerWatch
 from .training import optimizer_params, scan_training_objects
 from .window import END_OF_DATA, SegmentWriter, segment_paths, segment_step
 
@@ -130,6 +131,7 @@ class RankRuntime:
         self._forking_snapshot = False  # between ForkSnapshot.take's fork and its return (see _child_is_not_a_rank)
         self.detectors = Detectors.from_env()
         self.stalls = StallWatch(self)  # read by the watchdog thread (stall.py)
+        self.stragglers = StragglerWatch(self)
         budget = _env_float("WATCHER_SNAPSHOT_BUDGET", 1.0) / 100.0
         # State copies between forks (replay/state_copy.py) share the budget
         # with the forks, two thirds to the copies: the copy interval sets
@@ -463,6 +465,8 @@ class RankRuntime:
                 del self.step_ns[:32]
         self.last_end_ns = fp["ts"]
         self.stalls.step_ended(fp["ts"])
+        if self.mode == "live":
+            self.stragglers.step_ended(k, fp["dur"], [meta for meta, _ in colls])
         coll_lines = self._log_colls(colls)
         fp["snapshot"] = False
         self.ctl.beacon(self.rank, k, fp["param_sum"])
