@@ -27,3 +27,30 @@ def test_import_names_live_under_watcher():
     code = ("import watcher.bpf, watcher.uprobes, watcher.replay, watcher.analysis, sys; "
             "assert 'bpf' not in sys.modules and 'replay' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_ci_turns_every_would_be_skip_into_a_failure(tmp_path):
+    """With WATCHER_TESTS_NO_SKIP=1 (.ci/run sets it) a test that would skip
+    (a missing privilege or tool) fails with its reason; without it, it skips."""
+    import os
+    import shutil
+
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    shutil.copy(ROOT / "tests" / "conftest.py", suite / "conftest.py")
+    (suite / "__init__.py").write_text("")
+    (suite / "test_x.py").write_text(
+        "import pytest\n\n"
+        "@pytest.mark.skipif(True, reason='no frobnicator here')\n"
+        "def test_needs_a_frobnicator():\n    pass\n\n"
+        "def test_plain():\n    pass\n")
+    assert "WATCHER_TESTS_NO_SKIP=1" in (ROOT / ".ci" / "run").read_text()
+    runs = {}
+    for flag in ("1", "0"):
+        env = dict(os.environ, WATCHER_TESTS_NO_SKIP=flag, PYTHONPATH=str(ROOT))
+        runs[flag] = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite)],
+                                    capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    # (A skip at setup, as skipif's, is reported as an error: a failure all the same.)
+    assert runs["1"].returncode == 1 and "1 passed, 1 error" in runs["1"].stdout
+    assert "no frobnicator here" in runs["1"].stdout and "WATCHER_TESTS_NO_SKIP=1 forbids it" in runs["1"].stdout
+    assert runs["0"].returncode == 0 and "1 passed, 1 skipped" in runs["0"].stdout
