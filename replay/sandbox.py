@@ -12,7 +12,23 @@ re-executes must run exactly as it did live.  So the filter traps:
   stays taken, so a later open can never be handed an inherited number);
   seek, dup, epoll and fcntl changes -> denied;
 - opening a file for writing -> handed /dev/null instead; unlink and rename ->
-  swallowed; signals to other processes, ptrace -> denied.
+  swallowed; signals to other processes, ptrace -> denied;
+- ioctl and mmap on an inherited descriptor -> denied;
+- what a replay never needs, whatever its arguments -> denied: the mount
+  family, namespaces, keyrings, io_uring and AIO, BPF and perf events, module
+  and kexec loading, chroot, changes of owner, mode and identity, mkdir,
+  rmdir, links, device nodes, clocks, other processes' memory;
+- scheduling another process (affinity, priority, limits) -> denied; the
+  replay's own threads may.
+
+Before the filter the child is made harmless in two more ways (`harden`):
+every capability is dropped (effective, permitted, inheritable, ambient and
+the bounding set), so even a call the filter lets through cannot act as
+root; and every shared writable mapping it inherited (the node's control
+block, the state-copy slots, a DataLoader's shared memory) is remapped
+private, from the same file at the same address, or made read-only where
+it has no file: a replay reads what the live ranks share and writes only
+its own copy.
 
 Every trapped call is logged (one JSON line) by the supervisor and later
 stored in the recording's `sandbox_event` table.
@@ -48,8 +64,26 @@ ON_INHERITED_FD = ("read", "write", "close", "lseek", "pread64", "pwrite64", "re
 ALWAYS = ("creat", "openat2", "unlink", "unlinkat", "rename", "renameat", "renameat2", "truncate", "kill",
           "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal", "ptrace",
           "process_vm_writev", "sendfile", "splice", "copy_file_range", "pidfd_getfd", "io_uring_setup")
+# Never needed by a replay: denied whatever the arguments.
+NEVER = ("mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig", "fspick",
+         "mount_setattr", "unshare", "setns", "add_key", "request_key", "keyctl", "io_uring_enter",
+         "io_uring_register", "io_setup", "io_submit", "io_getevents", "io_destroy", "io_cancel", "bpf",
+         "perf_event_open", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+         "reboot", "swapon", "swapoff", "sethostname", "setdomainname", "chroot", "acct", "settimeofday",
+         "clock_settime", "clock_adjtime", "adjtimex", "quotactl", "mknod", "mknodat", "chown", "fchown",
+         "lchown", "fchownat", "chmod", "fchmod", "fchmodat", "mkdir", "mkdirat", "rmdir", "link", "linkat",
+         "symlink", "symlinkat", "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid",
+         "setgroups", "setfsuid", "setfsgid", "capset", "userfaultfd", "open_by_handle_at", "name_to_handle_at",
+         "process_vm_readv", "vmsplice", "iopl", "ioperm", "fanotify_init")
+# Allowed on the replay itself (its own threads), denied on any other process;
+# the target is the first argument (setpriority's second).
+SCHEDULING = ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "setpriority", "prlimit64",
+              "migrate_pages", "move_pages")
+# Trapped when their fifth argument (the descriptor) was inherited.
+ON_INHERITED_FD_ARG4 = ("mmap",)
 # Syscall numbers (x86_64, the only ABI the filter admits) of every call it traps.
-SYS = {name: syscall_number(name) for name in NETWORK + ON_INHERITED_FD + ALWAYS + ("open", "openat")}
+SYS = {name: syscall_number(name) for name in NETWORK + ON_INHERITED_FD + ALWAYS + NEVER + SCHEDULING
+       + ON_INHERITED_FD_ARG4 + ("open", "openat", "ioctl")}
 NAME = {v: k for k, v in SYS.items()}
 SYS_SECCOMP, SYS_PIDFD_OPEN = syscall_number("seccomp"), syscall_number("pidfd_open")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -81,9 +115,10 @@ def build_filter(inherited_fds: list[int]) -> bytes:
     NOTIFY, ALLOW, KILL = "notify", "allow", "kill"
     # Another ABI (ia32 via int 0x80, x32) would dodge every number below.
     prog = [("ld", 4), ("jne", AUDIT_ARCH_X86_64, KILL), ("ld", 0), ("jset", X32_BIT, KILL)]
-    prog += [("jeq", SYS[name], NOTIFY) for name in NETWORK + ALWAYS]
+    prog += [("jeq", SYS[name], NOTIFY) for name in NETWORK + ALWAYS + NEVER + SCHEDULING]
     prog += [("jeq", SYS["openat"], "openat"), ("jeq", SYS["open"], "open")]
-    prog += [("jeq", SYS[name], "fdcheck") for name in ON_INHERITED_FD]
+    prog += [("jeq", SYS[name], "fdcheck") for name in ON_INHERITED_FD + ("ioctl",)]
+    prog += [("jeq", SYS[name], "fdcheck4") for name in ON_INHERITED_FD_ARG4]
     prog += [("ja", ALLOW),
              ("label", "openat"), ("ld", 16 + 2 * 8), ("jset", WRITE_FLAGS, NOTIFY), ("ja", ALLOW),
              ("label", "open"), ("ld", 16 + 1 * 8), ("jset", WRITE_FLAGS, NOTIFY), ("ja", ALLOW),
@@ -92,6 +127,9 @@ def build_filter(inherited_fds: list[int]) -> bytes:
              ("label", KILL), ("ret", RET_KILL_PROCESS),
              ("label", "fdcheck"), ("ld", 16)]  # args[0] low word: the descriptor
     for fd in inherited_fds:  # pairs, so no jump grows with the number of descriptors
+        prog += [("jeq_skip", fd), ("ret", RET_NOTIFY)]
+    prog += [("ret", RET_ALLOW), ("label", "fdcheck4"), ("ld", 16 + 4 * 8)]  # args[4] low word
+    for fd in inherited_fds:
         prog += [("jeq_skip", fd), ("ret", RET_NOTIFY)]
     prog.append(("ret", RET_ALLOW))
 
@@ -134,6 +172,65 @@ def _off(target: int, here: int) -> int:
 
 class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+CAP_VERSION_3 = 0x20080522
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_FIXED = 1, 2, 0x02, 0x10
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def harden() -> dict:
+    """In the replay child, before the filter: drop every capability and seal
+    the shared mappings (see the module's docstring).  Returns what was done,
+    for the replay's result."""
+    return {"shared_mappings": seal_shared_mappings(), "capabilities": drop_capabilities()}
+
+
+def drop_capabilities() -> str:
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    for cap in range(64):  # the bounding set first: it needs CAP_SETPCAP, dropped next
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(CAP_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable (two 32-bit halves each): none
+    if libc.syscall(syscall_number("capset"), header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    with open("/proc/self/status") as f:
+        return next((line.split()[1] for line in f if line.startswith("CapEff:")), "?")
+
+
+def seal_shared_mappings() -> list[dict]:
+    """Remap every shared writable mapping private (from the same file, at the
+    same address and offset) or, with no file to map, read-only."""
+    sealed = []
+    with open("/proc/self/maps") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 5 or parts[1][1] != "w" or parts[1][3] != "s":
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        offset, path = int(parts[2], 16), parts[5] if len(parts) > 5 else ""
+        how = None
+        try:
+            # map_files opens the very file mapped, deleted or not.
+            fd = os.open(f"/proc/self/map_files/{parts[0]}", os.O_RDONLY)
+        except OSError:
+            fd = None
+        if fd is not None:
+            try:
+                got = libc.mmap(lo, hi - lo, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, offset)
+                how = "private" if got == lo else None
+            finally:
+                os.close(fd)
+        if how is None:
+            if libc.mprotect(lo, hi - lo, PROT_READ) != 0:
+                raise OSError(ctypes.get_errno(), f"mprotect of the shared mapping {path or parts[0]}")
+            how = "read-only"
+        sealed.append({"range": parts[0], "path": path, "now": how})
+    return sealed
 
 
 def install(allowed_fds: set[int]) -> tuple[int, list[int]]:
@@ -200,6 +297,18 @@ def _iov_total(pid: int, addr: int, count: int) -> int:
         return 0
 
 
+def _own_task(child_pid: int, args: list[int], name: str) -> bool:
+    """Does a scheduling call act on the replay itself (0, or one of its threads)?"""
+    if name == "setpriority":
+        if args[0] != 0:  # PRIO_PGRP, PRIO_USER: other processes
+            return False
+        target = args[1]
+    else:
+        target = args[0]
+    target &= 0xFFFFFFFF
+    return target == 0 or os.path.exists(f"/proc/{child_pid}/task/{target}")
+
+
 def supervise(listener: int, child_pid: int, log_path, inherited: list[int]) -> int:
     """Answer trapped calls until the child exits; returns its wait status."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -233,6 +342,8 @@ def supervise(listener: int, child_pid: int, log_path, inherited: list[int]) -> 
                     flags, action = FLAG_CONTINUE, "allowed"
                 elif name in ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo") \
                         and args[0] == notif.pid:  # signals to itself (raise, abort)
+                    flags, action = FLAG_CONTINUE, "allowed"
+                elif name in SCHEDULING and _own_task(child_pid, args, name):
                     flags, action = FLAG_CONTINUE, "allowed"
                 elif name in ("open", "openat", "creat"):
                     add = _AddFd(notif.id, ADDFD_FLAG_SEND, devnull, 0, os.O_CLOEXEC)

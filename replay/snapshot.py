@@ -513,6 +513,7 @@ def _enter_replay(rt: Rank, order: dict, listener_w: int) -> None:
         allowed.add(xfd)
     if order.get("state_copy") is not None:
         _load_copy(rt, state, window, order["state_copy"])
+    state.extra["sandbox"] = sandbox.harden()
     listener, inherited = sandbox.install(allowed)
     os.write(listener_w, (json.dumps({"listener": listener, "inherited": inherited}) + "\n").encode())
     os.close(listener_w)
