@@ -329,3 +329,27 @@ def test_python_frame_layout_and_line_table_match_this_interpreter():
                 assert addr_to_line(co.co_linetable, co.co_firstlineno, 2 * unit) == line, (co, unit)
                 n += 1
     assert n > 10_000
+
+
+@needs_bpf
+@needs_libs
+def test_calls_right_after_a_load_are_recorded_from_the_first(tmp_path):
+    """A recorded command that loads CUDA's runtime and NCCL and calls them at
+    once, with no wait: every call is recorded, because the libraries its
+    Python can load were probed before it started (uprobes/preattach.py)."""
+    script = textwrap.dedent(f"""
+        import ctypes, json
+        cudart = ctypes.CDLL({CUDART!r})
+        n = ctypes.c_int(-7)
+        rcs = [cudart.cudaGetDeviceCount(ctypes.byref(n)) for _ in range(5)]
+        nccl = ctypes.CDLL({NCCL!r})
+        v = ctypes.c_int(-7)
+        print(json.dumps({{"rcs": rcs, "version_rc": nccl.ncclGetVersion(ctypes.byref(v)), "version": v.value}}))
+    """)
+    out = tmp_path / "first.duckdb"
+    p = record(out, sys.executable, "-c", script)
+    assert p.returncode == 0, p.stderr
+    truth = json.loads(p.stdout.strip().splitlines()[-1])
+    assert truth["rcs"] == [35] * 5
+    rows = query(out, "SELECT probe, ret, deref FROM api_call ORDER BY ts")
+    assert rows == [("cudaGetDeviceCount", 35, -7)] * 5 + [("ncclGetVersion", 0, truth["version"])]

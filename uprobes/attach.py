@@ -86,6 +86,26 @@ class LibraryProber:
         self.warnings += new_warnings
         return new_warnings
 
+    def preattach(self, argv: list[str], env: dict) -> list[str]:
+        """Before the command runs: probe the libraries it may load at first
+        use and call at once (preattach.py), so their first calls are seen."""
+        from .preattach import candidates
+
+        new_warnings = []
+        patterns = {lib.library: lib.file_pattern for lib in self.specs}
+        for path, name in candidates(argv, env, patterns).items():
+            key = _file_key(path)
+            if key is None or key in self.attached_files:
+                continue
+            self.attached_files[key] = path
+            lib = next(s for s in self.specs if s.library == name)
+            try:
+                new_warnings += self._attach_library(lib, path)
+            except Exception as e:
+                new_warnings.append(f"cannot probe {path}: {type(e).__name__}: {e}")
+        self.warnings += new_warnings
+        return new_warnings
+
     def _find_interpreter(self, pid: int, maps: dict[str, str]) -> None:
         """Tell the BPF side where `pid`'s interpreter state lives, so calls
         from it carry their Python stack.  Keyed by where the interpreter

@@ -272,12 +272,22 @@ class Collector:
             pids, self._loaded_in = self._loaded_in, set()
         self._scan(sorted(pids))
 
+    def preattach_libraries(self, argv: list[str], env: dict) -> None:
+        """Before a recorded command starts: probe the libraries it would call
+        as soon as it loads them (uprobes/preattach.py)."""
+        prober = getattr(self.recorder, "prober", None)
+        if prober is not None:
+            self._report(prober, lambda: prober.preattach(argv, env))
+
     def _scan(self, pids: list[int]) -> None:
         prober = getattr(self.recorder, "prober", None)
         if prober is None:
             return
+        self._report(prober, lambda: prober.scan(pids))
+
+    def _report(self, prober, attach) -> None:
         seen = len(prober.notes)
-        warnings = prober.scan(pids)
+        warnings = attach()
         self.warnings += warnings
         if self.on_warning:
             for w in warnings:

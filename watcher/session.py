@@ -276,6 +276,9 @@ class Session:
             c.model.adopt_live(pid, os.getpid(), t0)
             c.write_start_meta(target_pid=pid, cmdline=" ".join(argv), mode="record",
                                probes=self.config.probes)
+            # The child is still held: the libraries it calls at once are
+            # probed before it can load them.
+            c.preattach_libraries(argv, env if env is not None else dict(os.environ))
         except BaseException:
             os.close(w)  # the held child reads EOF and exits without running anything
             os.close(err_r)
