@@ -230,6 +230,10 @@ def test_perfetto_export_is_valid_chrome_trace_json(drills, tmp_path):
     assert begins == {(e["cat"], e["id"]) for e in events if e["ph"] == "e"}
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert {"rank 0", "rank 1"} <= {n.split(" (")[0] for n in names}
+    # One trace process per recorded process (upid), even where the kernel reused a pid.
+    procs = [e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"]
+    (n_procs,), = query(out / "bad_batch" / "recording.duckdb", "SELECT count(*) FROM process")
+    assert len(procs) == len(set(procs)) == n_procs
     steps = {e["name"] for e in events if e.get("cat") == "step"}
     assert {f"step {k}" for k in range(2, 14)} <= steps
     assert any(e["name"].startswith("allreduce #") for e in events if e.get("cat") == "collective")

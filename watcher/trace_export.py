@@ -2,7 +2,8 @@
 
 Perfetto UI (and chrome://tracing) open this format directly.  Layout:
 
-- every recorded process is a trace process, named `rank R (pid P)` for ranks;
+- every recorded process (upid) is a trace process, named `rank R (pid P)` for
+  ranks, so a reused pid, or the same pid on two nodes, stays two processes;
 - each rank has a `steps` track (one slice per optimizer step) and its
   collectives as async slices (issue to completion; they may overlap);
 - every thread gets its system calls and futex waits as slices on its own
@@ -31,26 +32,29 @@ def _us(ns) -> float:
 def build(recs: Recordings) -> dict:
     events: list[dict] = []
     _, procs = recs.query("SELECT upid, pid, rank, name FROM process ORDER BY start_ts NULLS FIRST, upid")
+    # A trace process per recorded process (upid), numbered here: a pid the
+    # kernel reused, or the same pid on two nodes, is two processes.
     pid_of, rank_pid = {}, {}
-    for upid, pid, rank, comm in procs:
-        pid_of[upid] = pid
+    for n, (upid, pid, rank, comm) in enumerate(procs, start=1):
+        pid_of[upid] = n
         # Snapshot and replay children inherit RANK: the rank is its first process.
         if rank is not None and rank not in rank_pid:
-            rank_pid[rank] = pid
+            rank_pid[rank] = n
             name = f"rank {rank} (pid {pid})"
         elif rank is not None:
             name = f"rank {rank} snapshot/replay (pid {pid})"
         else:
             name = f"{comm} (pid {pid})"
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": {"name": name}})
-        if rank is not None and rank_pid[rank] == pid:
-            events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "ts": 0,
+        events.append({"name": "process_name", "ph": "M", "pid": n, "tid": 0, "ts": 0, "args": {"name": name}})
+        if rank is not None and rank_pid[rank] == n:
+            events.append({"name": "process_sort_index", "ph": "M", "pid": n, "tid": 0, "ts": 0,
                            "args": {"sort_index": rank}})
     _, threads = recs.query("SELECT utid, tid, upid, name FROM thread")
     tid_of = {}
     for utid, tid, upid, comm in threads:
-        tid_of[utid] = (pid_of.get(upid, upid), tid)
-        events.append({"name": "thread_name", "ph": "M", "pid": pid_of.get(upid, upid), "tid": tid, "ts": 0,
+        trace_pid = pid_of.get(upid, 2_000_000 + upid)
+        tid_of[utid] = (trace_pid, tid)
+        events.append({"name": "thread_name", "ph": "M", "pid": trace_pid, "tid": tid, "ts": 0,
                        "args": {"name": comm or str(tid)}})
 
     def track(rank: int, which: int, name: str) -> tuple[int, int]:
