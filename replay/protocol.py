@@ -147,7 +147,11 @@ def _go_on(rt: Rank, info: dict, plan: dict, inc_dir, result_dir, verdict: Incid
         _close(rt, inc_dir, iid)
         say(rt, f"incident {iid}: transient, but the training thread is stuck: left as it is")
         return
-    if verdict:
+    if verdict and info["kind"] == "replay_check":  # a check, not a failure: say whether it matched
+        exact = (verdict.replay or {}).get("exact")
+        say(rt, f"replay check {iid}: " + ("the window matched the record exactly" if exact
+                                           else "the window DIFFERS from the record"))
+    elif verdict:
         say(rt, f"incident {iid}: {verdict.classification or 'unclassified'}"
                 + (f" ({verdict.transient_cause})" if verdict.transient_cause else ""))
     if verdict and verdict.classification == "transient" and acting and info["kind"] != "replay_check":

@@ -148,6 +148,7 @@ class ForkSnapshot:
             try:
                 os.close(cmd_w)
                 os.close(resp_r)
+                _name_process(f"w-snap-{rt.rank}")
                 _arm_stack_dump(rt)
                 _drop_shared_endpoints(keep={cmd_r, resp_w})
                 order, listener_w = _serve(rt, k, cmd_r, resp_w)
@@ -445,13 +446,6 @@ class _Orphan:
                 except OSError:
                     pass
         self.rt, self.k, self.retained = rt, k, retained
-        # Named for `ps` and friends: an orphaned snapshot is not a rank
-        # that failed to exit (the name is 15 bytes at most).
-        try:
-            with open("/proc/self/comm", "w") as f:
-                f.write(f"watcher-snap-r{rt.rank}"[:15])
-        except OSError:
-            pass
         self.crash_order = rt.rundir.crash_order(rt.rank, k)
         # Without retention only a crash replay can come, and soon.
         # On many nodes the crash order comes once every node's launcher has
@@ -489,8 +483,19 @@ class _Orphan:
 
 # -- inside the replay child ------------------------------------------------------------------------
 
+def _name_process(name: str) -> None:
+    """Named for `ps`, the recording and `watcher info`: a snapshot or a replay
+    is not a rank (the name is 15 bytes at most)."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
 def _enter_replay(rt: Rank, order: dict, listener_w: int) -> None:
     t_fork = time.monotonic_ns()
+    _name_process(f"w-replay-{rt.rank}")
     libc = ctypes.CDLL(None)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     window = Window.load(segment_paths(Path(order.get("window_dir") or rt.window_dir), rt.rank, rt.step))

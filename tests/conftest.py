@@ -120,5 +120,5 @@ def no_leftover_processes(request):
             continue
         # An orphaned snapshot (retained for `watcher diagnose`, or waiting
         # for a crash replay) outlives its run by design: not worth a warning.
-        if not comm.startswith("watcher-snap"):
+        if not comm.startswith("w-snap-"):
             warnings.warn(f"{request.module.__name__} left pid {pid} running ({cmd[:200]}); killed it")

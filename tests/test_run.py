@@ -92,6 +92,19 @@ def test_replay_of_a_healthy_window_matches_the_record_exactly(tmp_path):
         assert inc["replay"]["per_rank"][r]["steps"] == 7           # steps 5..11
         assert inc["replay"]["per_rank"][r]["collectives"] == 7     # one allreduce each
     assert "matched the record" in p.stderr
+    assert "unclassified" not in p.stderr  # a check that passed is said to have passed
+    # Watcher's own processes are named in the recording: the snapshots each
+    # rank forked (released ones die of SIGKILL), and one replay per rank,
+    # forked from a snapshot of that rank.
+    rows = query(run / "recording.duckdb", "SELECT c.name, p.name, p.rank, c.exit_signal FROM process c "
+                 "JOIN process p ON c.parent_upid = p.upid WHERE c.name LIKE 'w-%' ORDER BY 1")
+    snaps = [(n, r, sig) for n, _, r, sig in rows if n.startswith("w-snap-")]
+    replays = [(n, parent) for n, parent, _, _ in rows if n.startswith("w-replay-")]
+    assert all(n == f"w-snap-{r}" for n, r, _ in snaps) and {r for _, r, _ in snaps} == {0, 1}
+    assert any(sig == signal.SIGKILL for _, _, sig in snaps)
+    assert sorted(replays) == [("w-replay-0", "w-snap-0"), ("w-replay-1", "w-snap-1")]
+    info = watcher("info", str(run / "recording.duckdb")).stdout
+    assert "replay 0" in info and "replay 1" in info and "released" in info
 
 
 @needs_bpf

@@ -16,6 +16,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+from .preattach import candidates
 from .procfs import in_root, mapped_files
 from .python_frames import LIBPYTHON, interpreter
 from .spec import LibrarySpec, ResolvedProbe, resolve
@@ -89,8 +90,6 @@ class LibraryProber:
     def preattach(self, argv: list[str], env: dict) -> list[str]:
         """Before the command runs: probe the libraries it may load at first
         use and call at once (preattach.py), so their first calls are seen."""
-        from .preattach import candidates
-
         new_warnings = []
         patterns = {lib.library: lib.file_pattern for lib in self.specs}
         for path, name in candidates(argv, env, patterns).items():

@@ -215,6 +215,13 @@ class ProcessModel:
                 utid = self.tid_to_utid.get(tid)
                 if utid is not None:
                     self.threads[utid].end_ts = ts
+                    # The name a thread dies with is the one it chose (a
+                    # snapshot or replay names itself after the fork).
+                    name = _cstr(e["comm"])
+                    if name:
+                        self.threads[utid].name = name
+                        if tid == pid:
+                            self.processes[self.threads[utid].upid].name = name
                 if int(e["flags"]) & 1:
                     p = self.processes[self.upid(pid)]
                     p.end_ts = ts
@@ -239,6 +246,8 @@ class ProcessModel:
                 name = _read(f"/proc/{pid}/task/{t.tid}/comm").strip()
                 if name and name != t.name:
                     t.name = name
+                    if t.tid == pid:  # the main thread's name is the process's (a snapshot names itself)
+                        self.processes[t.upid].name = name
                     self.dirty = True
         for p in self.processes:
             if p.end_ts is None and p.rank is None and p.start_ts is not None:

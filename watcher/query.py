@@ -60,6 +60,29 @@ def format_rows(cols: list[str], rows: list[tuple], fmt: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def process_roles(procs: list[tuple]) -> dict[int, tuple[str, int]]:
+    """upid -> (role, rank) for the ranks and Watcher's own forks of them.
+
+    Snapshots and replays name themselves (w-snap-<R>, w-replay-<R>:
+    replay/snapshot.py); a replay too short-lived for the
+    recorder to see its name is a child of a snapshot that never exec'd.
+    Neither reads RANK from a new environment, so the recording leaves their
+    rank NULL.  `procs` rows are (upid, parent_upid, pid, rank, name,
+    exit_code, exit_signal, cmdline)."""
+    by_upid = {p[0]: p for p in procs}
+    roles: dict[int, tuple[str, int]] = {}
+    for upid, parent, _, rank, name, *_ in sorted(procs):
+        up = roles.get(parent)
+        own = name.rsplit("-", 1) if name else None
+        if own and own[0] in ("w-snap", "w-replay") and own[1].isdigit():
+            roles[upid] = ("snapshot" if own[0] == "w-snap" else "replay", int(own[1]))
+        elif up is not None and up[0] == "snapshot" and by_upid[upid][7] == by_upid[parent][7]:
+            roles[upid] = ("replay", up[1])
+        elif rank is not None:
+            roles[upid] = ("rank", rank)
+    return roles
+
+
 def summarise(recs) -> str:
     lines = []
     for i, (path, meta) in enumerate(zip(recs.paths, recs.metas)):
@@ -79,12 +102,21 @@ def summarise(recs) -> str:
     counts = {t: recs.query(f"SELECT count(*) FROM {t}")[1][0][0]
               for t in ("process", "thread", "syscall", "futex", "signal")}
     lines.append("rows        " + "  ".join(f"{t} {n:,}" for t, n in counts.items()))
-    _, procs = recs.query("SELECT pid, rank, name, exit_code, exit_signal, cmdline FROM process ORDER BY upid LIMIT 20")
+    _, procs = recs.query("SELECT upid, parent_upid, pid, rank, name, exit_code, exit_signal, cmdline FROM process "
+                          "ORDER BY upid")
+    roles = process_roles(procs)
     lines.append("processes")
-    for pid, rank, name, code, sig, cmd in procs:
+    for upid, _, pid, rank, name, code, sig, cmd in procs[:20]:
+        role = roles.get(upid)
         status = f"exit {code}" if code is not None else (f"signal {sig}" if sig is not None else "running/unknown")
-        r = f"rank {rank}" if rank is not None else "      "
-        lines.append(f"  {pid:>8} {r:<7} {name or '':<16} {status:<16} {(cmd or '')[:50]}")
+        if role and role[0] == "snapshot" and sig == 9:
+            status = "released"  # Watcher let it go: a snapshot is killed once newer ones replace it
+        elif role and role[0] == "snapshot" and code is not None:
+            status = f"replayed, exit {code}"  # woken to replay a window, it ran and ended on its own
+        r = f"{role[0]} {role[1]}" if role else ""
+        lines.append(f"  {pid:>8} {r:<11} {name or '':<16} {status:<16} {(cmd or '')[:50]}")
+    if len(procs) > 20:
+        lines.append(f"  ... {len(procs) - 20} more (SELECT * FROM process)")
     _, top = recs.query("SELECT name, calls, total_ns FROM top_syscall LIMIT 5")
     lines.append("top syscalls by time")
     for name, calls, total in top:

@@ -70,6 +70,11 @@ def incident_lines(inc: dict) -> list[str]:
     if inc["kind"] == "straggler":
         return _straggler_lines(inc)
     rep = inc.get("replay") or {}
+    if inc["kind"] == "replay_check":  # a check run on request, not a failure
+        return [f"{inc['incident_id']}: replay check at step {inc.get('detected_step')}: "
+                + ("not replayed (no snapshot to replay from)" if not rep
+                   else "passed, the window matched the record exactly" if rep.get("exact")
+                   else f"FAILED, first divergence {rep.get('first_divergence')}")]
     st = rep.get("stall") or {}
     lines = [f"{inc['incident_id']}: {inc['kind']} at step {inc.get('detected_step')} on rank {inc.get('detected_rank')}"
              f" -> {inc.get('classification') or 'unclassified'}"
