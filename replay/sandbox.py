@@ -19,7 +19,12 @@ re-executes must run exactly as it did live.  So the filter traps:
   and kexec loading, chroot, changes of owner, mode and identity, mkdir,
   rmdir, links, device nodes, clocks, other processes' memory;
 - scheduling another process (affinity, priority, limits) -> denied; the
-  replay's own threads may.
+  replay's own threads may;
+- anything else not on the replay's allowlist (ALLOWED: computing, memory,
+  time, threads, its own signals, reading files, its own pipes) -> refused
+  with ENOSYS, what a kernel without the call would answer, so a library
+  falls back as it would there.  The filter denies by default: a call added
+  to a later kernel is refused until it is listed.
 
 Before the filter the child is made harmless in two more ways (`harden`):
 every capability is dropped (effective, permitted, inheritable, ambient and
@@ -52,7 +57,7 @@ import select
 import struct
 import time
 
-from ..syscall_names import syscall_number
+from ..syscall_names import SYSCALL_NAMES, syscall_name, syscall_number
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -78,22 +83,61 @@ NEVER = ("mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", 
          "lchown", "fchownat", "chmod", "fchmod", "fchmodat", "mkdir", "mkdirat", "rmdir", "link", "linkat",
          "symlink", "symlinkat", "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid",
          "setgroups", "setfsuid", "setfsgid", "capset", "userfaultfd", "open_by_handle_at", "name_to_handle_at",
-         "process_vm_readv", "vmsplice", "iopl", "ioperm", "fanotify_init", "close_range")
+         "process_vm_readv", "vmsplice", "iopl", "ioperm", "fanotify_init", "close_range", "fchmodat2")
 # Allowed on the replay itself (its own threads), denied on any other process;
 # the target is the first argument (setpriority's second).
-SCHEDULING = ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "setpriority", "prlimit64",
-              "migrate_pages", "move_pages")
+SCHEDULING = ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr", "setpriority",
+              "prlimit64", "migrate_pages", "move_pages")
 # Trapped when their fifth argument (the descriptor) was inherited.
 ON_INHERITED_FD_ARG4 = ("mmap",)
+# Let through with no question: what re-executing training code needs and
+# cannot reach past its own process with.  (Calls on descriptors are here only
+# when the descriptor is the replay's own: inherited ones are ON_INHERITED_FD.)
+ALLOWED = (
+    # memory
+    "brk", "munmap", "mprotect", "mremap", "madvise", "mlock", "mlock2", "munlock", "mlockall", "munlockall",
+    "msync", "mincore", "membarrier", "mbind", "get_mempolicy", "set_mempolicy", "set_mempolicy_home_node",
+    "memfd_create", "map_shadow_stack", "pkey_alloc", "pkey_free", "pkey_mprotect",
+    # time and sleeping
+    "clock_gettime", "clock_getres", "clock_nanosleep", "nanosleep", "gettimeofday", "time", "times",
+    "getitimer", "setitimer", "alarm", "timer_create", "timer_settime", "timer_gettime", "timer_getoverrun",
+    "timer_delete", "timerfd_create", "timerfd_settime", "timerfd_gettime",
+    # threads, waiting, its own children
+    "futex", "futex_waitv", "futex_wake", "futex_wait", "futex_requeue", "set_robust_list", "get_robust_list",
+    "set_tid_address", "rseq", "sched_yield", "sched_getaffinity", "sched_getparam", "sched_getscheduler",
+    "sched_getattr", "sched_get_priority_max", "sched_get_priority_min", "sched_rr_get_interval", "getcpu",
+    "clone", "clone3", "fork", "vfork", "execve", "execveat", "wait4", "waitid", "exit", "exit_group",
+    "restart_syscall", "pidfd_open",
+    # who and where it is
+    "getpid", "getppid", "gettid", "getuid", "geteuid", "getgid", "getegid", "getgroups", "getresuid",
+    "getresgid", "getpgid", "getpgrp", "getsid", "getpriority", "getrlimit", "getrusage", "sysinfo", "uname",
+    "prctl", "arch_prctl", "capget", "umask", "getcwd", "chdir", "fchdir", "seccomp", "landlock_create_ruleset",
+    "landlock_add_rule", "landlock_restrict_self", "ioprio_get", "getrandom", "kcmp", "setrlimit", "cachestat",
+    "mseal",
+    # the return path of Watcher's own library probes (the kernel's uprobe trampolines)
+    "uretprobe", "uprobe",
+    # its own signals
+    "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigpending", "rt_sigtimedwait", "rt_sigsuspend",
+    "sigaltstack", "pause", "signalfd", "signalfd4",
+    # reading files (opening for writing is trapped by its flags, below)
+    "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs", "access", "faccessat", "faccessat2",
+    "readlink", "readlinkat", "getdents", "getdents64", "fadvise64", "readahead", "getxattr", "lgetxattr",
+    "fgetxattr", "listxattr", "llistxattr", "flistxattr", "inotify_init", "inotify_init1",
+    "inotify_add_watch", "inotify_rm_watch",
+    # its own pipes, events and socket pairs (the network is trapped)
+    "pipe", "pipe2", "eventfd", "eventfd2", "epoll_create", "epoll_create1", "poll", "ppoll", "select",
+    "pselect6", "socketpair", "getsockname", "getpeername", "getsockopt", "tee",
+)
 # Syscall numbers (x86_64, the only ABI the filter admits) of every call it traps.
 SYS = {name: syscall_number(name) for name in NETWORK + ON_INHERITED_FD + ALWAYS + NEVER + SCHEDULING
        + ON_INHERITED_FD_ARG4 + ("open", "openat", "ioctl")}
 NAME = {v: k for k, v in SYS.items()}
+ALLOWED_NR = frozenset(syscall_number(name) for name in ALLOWED)
 SYS_SECCOMP, SYS_PIDFD_OPEN = syscall_number("seccomp"), syscall_number("pidfd_open")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 # classic BPF
-LD_W_ABS, JEQ_K, JSET_K, RET_K = 0x20, 0x15, 0x45, 0x06
+LD_W_ABS, JEQ_K, JGE_K, JSET_K, RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 RET_ALLOW = 0x7FFF0000
 RET_KILL_PROCESS = 0x80000000
 X32_BIT = 0x40000000
@@ -107,7 +151,7 @@ NOTIF_SEND = 0xC0182101
 NOTIF_ADDFD = 0x40182103
 FLAG_CONTINUE = 1
 ADDFD_FLAG_SEND = 1 << 1
-EPERM = 1
+EPERM, ENOSYS = 1, 38
 
 
 def _ins(code, k, jt=0, jf=0):
@@ -115,20 +159,22 @@ def _ins(code, k, jt=0, jf=0):
 
 
 def build_filter(inherited_fds: list[int]) -> bytes:
-    """The BPF program: notify on the calls above, allow everything else."""
-    NOTIFY, ALLOW, KILL = "notify", "allow", "kill"
+    """The BPF program: allow ALLOWED, check the arguments of the calls that
+    depend on them, notify the supervisor of everything else."""
+    NOTIFY, ALLOW = "notify", "allow"
     # Another ABI (ia32 via int 0x80, x32) would dodge every number below.
-    prog = [("ld", 4), ("jne", AUDIT_ARCH_X86_64, KILL), ("ld", 0), ("jset", X32_BIT, KILL)]
-    prog += [("jeq", SYS[name], NOTIFY) for name in NETWORK + ALWAYS + NEVER + SCHEDULING]
-    prog += [("jeq", SYS["openat"], "openat"), ("jeq", SYS["open"], "open")]
-    prog += [("jeq", SYS[name], "fdcheck") for name in ON_INHERITED_FD + ("ioctl",)]
-    prog += [("jeq", SYS[name], "fdcheck4") for name in ON_INHERITED_FD_ARG4]
-    prog += [("ja", ALLOW),
-             ("label", "openat"), ("ld", 16 + 2 * 8), ("jset", WRITE_FLAGS, NOTIFY), ("ja", ALLOW),
+    prog = [("ld", 4), ("jne", AUDIT_ARCH_X86_64, "wrong_abi"), ("ld", 0), ("jset", X32_BIT, "wrong_abi"),
+            ("ja", "by_number"), ("label", "wrong_abi"), ("ret", RET_KILL_PROCESS), ("label", "by_number")]
+    route = {nr: ALLOW for nr in ALLOWED_NR}
+    route.update({SYS[name]: "fdcheck" for name in ON_INHERITED_FD + ("ioctl",)})
+    route.update({SYS[name]: "fdcheck4" for name in ON_INHERITED_FD_ARG4})
+    route.update({SYS["openat"]: "openat", SYS["open"]: "open"})
+    route.update({SYS[name]: NOTIFY for name in NETWORK + ALWAYS + NEVER + SCHEDULING})
+    prog += _route_by_number(route, default=NOTIFY)
+    prog += [("label", "openat"), ("ld", 16 + 2 * 8), ("jset", WRITE_FLAGS, NOTIFY), ("ja", ALLOW),
              ("label", "open"), ("ld", 16 + 1 * 8), ("jset", WRITE_FLAGS, NOTIFY), ("ja", ALLOW),
              ("label", ALLOW), ("ret", RET_ALLOW),
              ("label", NOTIFY), ("ret", RET_NOTIFY),
-             ("label", KILL), ("ret", RET_KILL_PROCESS),
              ("label", "fdcheck"), ("ld", 16)]  # args[0] low word: the descriptor
     for fd in inherited_fds:  # pairs, so no jump grows with the number of descriptors
         prog += [("jeq_skip", fd), ("ret", RET_NOTIFY)]
@@ -136,7 +182,36 @@ def build_filter(inherited_fds: list[int]) -> bytes:
     for fd in inherited_fds:
         prog += [("jeq_skip", fd), ("ret", RET_NOTIFY)]
     prog.append(("ret", RET_ALLOW))
+    return _assemble(prog)
 
+
+def _route_by_number(route: dict[int, str], default: str) -> list[tuple]:
+    """A binary search over the syscall number (in the accumulator) that
+    jumps to route[nr], or to `default` for a number not in it: about
+    log2(runs) comparisons a call, where a list of equality tests would cost
+    one per listed call."""
+    top = max(max(SYSCALL_NAMES), max(route)) + 1
+    runs = []  # (first number, label), one per run of numbers that go to the same place
+    for nr in range(top + 1):
+        label = route.get(nr, default) if nr < top else default
+        if not runs or runs[-1][1] != label:
+            runs.append((nr, label))
+    counter = iter(range(1 << 30))
+
+    def tree(part):
+        if len(part) == 1:
+            return [("ja", part[0][1])]
+        mid = len(part) // 2
+        upper = f"nr>={part[mid][0]}#{next(counter)}"
+        # Conditional jumps reach only 255 instructions: the comparison
+        # falls through to a long jump for the upper half and skips it for
+        # the lower one.
+        return ([("jge_next", part[mid][0]), ("ja", upper)] + tree(part[:mid])
+                + [("label", upper)] + tree(part[mid:]))
+    return tree(runs)
+
+
+def _assemble(prog: list[tuple]) -> bytes:
     labels, index = {}, 0
     for item in prog:
         if item[0] == "label":
@@ -158,6 +233,8 @@ def build_filter(inherited_fds: list[int]) -> bytes:
             out.append(_ins(0x05, labels[item[1]] - here - 1))
         elif op == "jeq":
             out.append(_ins(JEQ_K, item[1], jt=_off(labels[item[2]], here)))
+        elif op == "jge_next":  # true: the next instruction; false: the one after
+            out.append(_ins(JGE_K, item[1], jt=0, jf=1))
         elif op == "jeq_skip":
             out.append(_ins(JEQ_K, item[1], jt=0, jf=1))
         elif op == "jne":
@@ -330,7 +407,7 @@ def supervise(listener: int, child_pid: int, log_path, inherited: list[int]) -> 
                         break
                     continue
                 d = notif.data
-                name = NAME.get(d.nr, str(d.nr))
+                name = NAME.get(d.nr) or syscall_name(d.nr)
                 args = list(d.args)
                 val, err, flags, action = 0, 0, 0, "denied"
                 fd = args[0] & 0xFFFFFFFF
@@ -358,6 +435,8 @@ def supervise(listener: int, child_pid: int, log_path, inherited: list[int]) -> 
                         resp.id, resp.val, resp.error, resp.flags = notif.id, 0, -EPERM, 0
                         libc.ioctl(listener, NOTIF_SEND, ctypes.byref(resp))
                     continue
+                elif d.nr not in NAME:  # not on the allowlist, nor trapped for a reason
+                    err, action = -ENOSYS, "not allowed (ENOSYS)"
                 else:
                     err = -EPERM
                 if action != "allowed":

@@ -199,7 +199,7 @@ def test_html_report_renders_in_headless_chromium(drills, tmp_path):
 def test_perfetto_export_is_valid_chrome_trace_json(drills, tmp_path):
     out, _, _ = drills
     trace = tmp_path / "t.json"
-    watcher("export", str(out / "bad_batch"), "--perfetto", str(trace), check=True)
+    watcher("export", str(out / "bad_batch"), "--perfetto", str(trace), "--format", "json", check=True)
     events = json.loads(trace.read_text())["traceEvents"]
     for e in events:
         assert {"name", "ph", "pid", "tid", "ts"} <= set(e), e
@@ -238,6 +238,72 @@ def test_perfetto_export_is_valid_chrome_trace_json(drills, tmp_path):
     assert {f"step {k}" for k in range(2, 14)} <= steps
     assert any(e["name"].startswith("allreduce #") for e in events if e.get("cat") == "collective")
     assert any(e.get("cat") == "syscall" for e in events)
+
+
+@needs_bpf
+def test_perfetto_export_is_a_protobuf_trace_with_every_call(drills, tmp_path):
+    """The native trace, read back by the protobuf library through Perfetto's
+    field numbers (tests/perfetto_proto.py): every system call and futex wait
+    of every thread, every step and collective of every rank, on the right
+    track under the right process, with its name."""
+    from collections import Counter
+
+    from .perfetto_proto import read
+
+    out, _, _ = drills
+    rec = out / "bad_batch" / "recording.duckdb"
+    trace = tmp_path / "t.pftrace"
+    watcher("export", str(out / "bad_batch"), "--perfetto", str(trace), check=True)
+    packets = read(trace).packet
+    assert {p.trusted_packet_sequence_id for p in packets} == {1}
+    tracks = {p.track_descriptor.uuid: p.track_descriptor for p in packets if p.HasField("track_descriptor")}
+    names = {e.iid: e.name for p in packets if p.HasField("interned_data") for e in p.interned_data.event_names}
+    events = [p for p in packets if p.HasField("track_event")]
+    begins = [p for p in events if p.track_event.type == 1]
+    assert Counter(p.track_event.track_uuid for p in begins) == \
+        Counter(p.track_event.track_uuid for p in events if p.track_event.type == 2)  # every slice ends
+
+    def slices_on(track_name: str, parent_name: str) -> Counter:
+        """Slice names on the track so named under the process so named."""
+        [uuid] = [u for u, t in tracks.items() if t.name == track_name and tracks[t.parent_uuid].name == parent_name]
+        return Counter(p.track_event.name or names[p.track_event.name_iid]
+                       for p in begins if p.track_event.track_uuid == uuid)
+
+    procs = query(rec, "SELECT upid, pid, rank, name FROM process ORDER BY start_ts NULLS FIRST, upid")
+    process_tracks = [t for t in tracks.values() if t.HasField("process")]
+    assert len(process_tracks) == len(procs)
+    proc_name, first_of_rank = {}, {}
+    for upid, pid, rank, comm in procs:
+        first = rank is not None and rank not in first_of_rank
+        if first:
+            first_of_rank[rank] = upid
+        proc_name[upid] = f"rank {rank} (pid {pid})" if first else f"{comm} (pid {pid})"
+    assert sorted(t.name for t in process_tracks) == sorted(proc_name.values())
+    # Every thread's calls, by name, exactly as recorded.
+    for utid, upid, tid, comm in query(rec, "SELECT utid, upid, tid, name FROM thread"):
+        want = Counter(dict(query(rec, f"SELECT name, count(*) FROM syscall WHERE utid = {utid} GROUP BY 1")))
+        if want:
+            assert slices_on(f"{comm} {tid}", proc_name[upid]) == want, (utid, comm)
+        want = Counter(dict(query(rec, f"SELECT op_name, count(*) FROM futex WHERE utid = {utid} GROUP BY 1")))
+        if want:
+            assert slices_on(f"{comm} {tid} futex waits", proc_name[upid]) == want, (utid, comm)
+    for rank in (0, 1):
+        rank_proc = proc_name[first_of_rank[rank]]
+        steps = [s for (s,) in query(rec, f"SELECT step FROM step WHERE rank = {rank} AND dur IS NOT NULL")]
+        assert slices_on("steps", rank_proc) == Counter(f"step {s}" for s in steps)
+        colls = Counter(f"{op} #{seq}" for op, seq in query(
+            rec, f"SELECT op, seq FROM collective_io WHERE rank = {rank} AND ts IS NOT NULL"))
+        lanes = [t.name for t in tracks.values() if t.name.startswith("collectives")
+                 and tracks[t.parent_uuid].name == rank_proc]
+        assert sum((slices_on(lane, rank_proc) for lane in lanes), Counter()) == colls
+        [loss] = [u for u, t in tracks.items() if t.name == "loss" and tracks[t.parent_uuid].name == rank_proc]
+        got = sorted(p.track_event.double_counter_value for p in events if p.track_event.track_uuid == loss)
+        assert got == sorted(x for (x,) in query(rec, f"SELECT loss FROM step WHERE rank = {rank} "
+                                                      "AND dur IS NOT NULL AND loss IS NOT NULL"))
+    # A fraction of the JSON export's size.
+    as_json = tmp_path / "t.json"
+    watcher("export", str(out / "bad_batch"), "--perfetto", str(as_json), "--format", "json", check=True)
+    assert trace.stat().st_size < 0.6 * as_json.stat().st_size
 
 
 # -- the diagnosis again, after the run, from the retained snapshots ---------------------------

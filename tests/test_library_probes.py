@@ -353,3 +353,66 @@ def test_calls_right_after_a_load_are_recorded_from_the_first(tmp_path):
     assert truth["rcs"] == [35] * 5
     rows = query(out, "SELECT probe, ret, deref FROM api_call ORDER BY ts")
     assert rows == [("cudaGetDeviceCount", 35, -7)] * 5 + [("ncclGetVersion", 0, truth["version"])]
+
+
+@needs_bpf
+@needs_libs
+def test_a_library_found_only_at_its_load_is_held_until_probed(tmp_path):
+    """Copies of CUDA's runtime and NCCL in a directory no search path names
+    (new files: the copies in site-packages are probed ahead, these cannot
+    be), loaded and called at once: the load is held until the probes are on
+    (uprobes/hold.c), so every call is recorded."""
+    import shutil
+
+    libs = tmp_path / "found-late"
+    libs.mkdir()
+    cudart, nccl = shutil.copy(CUDART, libs), shutil.copy(NCCL, libs)
+    script = textwrap.dedent(f"""
+        import ctypes, json
+        cudart = ctypes.CDLL({cudart!r})
+        n = ctypes.c_int(-7)
+        rcs = [cudart.cudaGetDeviceCount(ctypes.byref(n)) for _ in range(5)]
+        nccl = ctypes.CDLL({nccl!r})
+        v = ctypes.c_int(-7)
+        version_rc = nccl.ncclGetVersion(ctypes.byref(v))
+        class UniqueId(ctypes.Structure):  # ncclUniqueId, passed by value
+            _fields_ = [("internal", ctypes.c_char * 128)]
+        comm = ctypes.c_void_p()
+        init_rc = nccl.ncclCommInitRank(ctypes.byref(comm), 1, UniqueId(), 0)  # no GPU: an error code
+        print(json.dumps({{"rcs": rcs, "version_rc": version_rc, "version": v.value, "init_rc": init_rc}}))
+    """)
+    out = tmp_path / "held.duckdb"
+    p = record(out, sys.executable, "-c", script)
+    assert p.returncode == 0, p.stderr
+    truth = json.loads(p.stdout.strip().splitlines()[-1])
+    assert truth["rcs"] == [35] * 5
+    assert truth["init_rc"] != 0
+    rows = query(out, "SELECT probe, ret, deref FROM api_call ORDER BY ts")
+    assert rows[:6] == [("cudaGetDeviceCount", 35, -7)] * 5 + [("ncclGetVersion", 0, truth["version"])]
+    assert [(probe, ret) for probe, ret, _ in rows[6:]] == [("ncclCommInitRank", truth["init_rc"])]  # NCCL's init
+    assert f"probes to {cudart}" in p.stderr and f"probes to {nccl}" in p.stderr
+    [(held,)] = query(out, "SELECT value FROM meta WHERE key = 'held_loads'")
+    assert int(held) == 2
+
+
+@needs_libs
+def test_a_held_load_goes_on_when_watcher_never_answers(tmp_path):
+    """Fail open: the audit module waits at most its timeout for an answer,
+    then the load goes on (no privileges needed: no probes here)."""
+    import socket
+
+    from watcher.uprobes.hold import SOURCE
+    from watcher.runtime import native
+
+    module = native.build(SOURCE, ["-shared", "-fPIC", "-O2"], tmp_path)
+    assert module is not None
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(str(tmp_path / "sock"))
+    mute.listen(8)  # accepts (the kernel queues the connection), never answers
+    env = dict(os.environ, LD_AUDIT=str(module), WATCHER_HOLD_LIBS="libcudart", WATCHER_HOLD_TIMEOUT_MS="300",
+               WATCHER_HOLD_SOCK=str(tmp_path / "sock"))
+    script = f"import ctypes, time; t = time.monotonic(); ctypes.CDLL({CUDART!r}); print(time.monotonic() - t)"
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    mute.close()
+    assert p.returncode == 0, p.stderr
+    assert 0.3 <= float(p.stdout) < 5  # held for the timeout, then let go

@@ -39,9 +39,12 @@ def test_every_trap_answers_a_real_replay_child_and_is_logged(tmp_path):
     log = (run / "incidents" / "inc-0001" / "rank0.replay.log").read_text()
     got = {t["call"]: t for t in (json.loads(line[5:]) for line in log.splitlines() if line.startswith("TRAP "))}
     denied = ["read", "ioctl", "mmap", "kill", "mount", "unshare", "io_uring_setup", "io_setup", "bpf", "mkdir",
-              "chmod", "symlink", "sched_setaffinity_other"]
+              "chmod", "symlink", "sched_setaffinity_other", "ptrace", "add_key", "perf_event_open", "finit_module",
+              "setuid", "chown", "process_vm_readv", "pidfd_getfd", "lseek_inherited"]
     for call in denied:
         assert got[call] == {"call": call, "ok": False, "errno": "EPERM"}, got[call]
+    assert got["close_inherited"] == {"call": "close_inherited", "ok": True, "result": True}  # swallowed: still open
+    assert got["shmget"] == {"call": "shmget", "ok": False, "errno": "ENOSYS"}  # default deny
     assert got["open_for_write"] == {"call": "open_for_write", "ok": True, "result": False}  # /dev/null instead
     assert got["unlink"]["result"] is True and got["rename"]["result"] is True  # swallowed: still there
     assert got["sched_setaffinity_self"]["ok"] is True
@@ -52,8 +55,11 @@ def test_every_trap_answers_a_real_replay_child_and_is_logged(tmp_path):
     rows = dict(((s, a), n) for s, a, n in query(
         run / "recording.duckdb", "SELECT syscall, action, count(*) FROM sandbox_event GROUP BY ALL"))
     for syscall in ("read", "ioctl", "mmap", "kill", "mount", "unshare", "io_uring_setup", "io_setup", "bpf",
-                    "mkdir", "chmod", "symlink", "sched_setaffinity"):
+                    "mkdir", "chmod", "symlink", "sched_setaffinity", "ptrace", "add_key", "perf_event_open",
+                    "finit_module", "setuid", "chown", "process_vm_readv", "pidfd_getfd", "lseek"):
         assert rows.get((syscall, "denied")) == 1, (syscall, rows)
+    assert rows.get(("close", "swallowed"), 0) >= 1
+    assert rows.get(("shmget", "not allowed (ENOSYS)")) == 1, rows
     assert rows[("unlink", "swallowed")] == 1 and rows[("rename", "swallowed")] == 1
     assert rows[("openat", "redirected to /dev/null")] >= 1
     # The affinity call on itself was let through, not logged as a trap.

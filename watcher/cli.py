@@ -214,19 +214,33 @@ def release(run_dir: str = typer.Argument(..., help="Run directory whose retaine
     print(f"released the snapshots of ranks {ended}" if ended else "no retained snapshot was alive", file=sys.stderr)
 
 
-@app.command(epilog="Examples:\n\n  watcher export run1 --perfetto run1.trace.json   (open it in ui.perfetto.dev)")
+@app.command(epilog="Examples:\n\n  watcher export run1 --perfetto run1.pftrace   (open it in ui.perfetto.dev)\n\n"
+                     "  watcher export node0 node1 --perfetto job.pftrace   (a job over two nodes, one trace)\n\n"
+                     "  watcher export run1 --perfetto run1.json --format json   (Chrome Trace Event JSON)")
 def export(
     rec: list[str] = typer.Argument(..., help="Run directory or recording(s)."),
-    perfetto: Optional[str] = typer.Option(None, "--perfetto", help="Write Chrome Trace Event JSON (Perfetto UI opens it)."),
+    perfetto: Optional[str] = typer.Option(None, "--perfetto", help="Write a trace Perfetto UI opens."),
+    fmt: str = typer.Option("proto", "--format", help="proto: Perfetto's protobuf trace, every call, streamed; "
+                            "json: Chrome Trace Event JSON (larger, capped at 500,000 calls)."),
 ):
     """Export a recording as a trace: ranks as processes, steps and collectives as slices, syscalls on threads."""
-    from .trace_export import export as export_trace
+    from .perfetto_trace import export as export_proto
+    from .trace_export import export as export_json
 
     if not perfetto:
         raise UsageError("say what to export: --perfetto FILE")
-    got = export_trace(rec, Path(perfetto))
-    print(f"wrote {perfetto}: {got['events']} slices"
-          + (f" ({got['syscalls_left_out']} syscalls left out)" if got["syscalls_left_out"] else ""), file=sys.stderr)
+    if fmt not in ("proto", "json"):
+        raise UsageError(f"unknown --format {fmt!r}: proto or json")
+    if fmt == "json":
+        got = export_json(rec, Path(perfetto))
+        print(f"wrote {perfetto}: {got['events']} slices"
+              + (f" ({got['syscalls_left_out']} syscalls left out)" if got["syscalls_left_out"] else ""),
+              file=sys.stderr)
+        return
+    got = export_proto(rec, Path(perfetto))
+    print(f"wrote {perfetto}: {got['syscalls']:,} system calls, {got['futex_waits']:,} futex waits, "
+          f"{got['steps']:,} steps, {got['collectives']:,} collectives ({Path(perfetto).stat().st_size / 1e6:.1f} MB)",
+          file=sys.stderr)
 
 
 @app.command()

@@ -73,6 +73,7 @@ class Collector:
         self._pending: dict[str, list[np.ndarray]] = {r: [] for r in RING_NAMES}
         self._pending_lock = threading.Lock()
         self._poll_lock = threading.Lock()
+        self._attach_lock = threading.Lock()
         self.drain_error: BaseException | None = None
         self._loaded_in: set[int] = set()     # pids whose loader reported a new library
         self._wake = threading.Event()
@@ -279,11 +280,16 @@ class Collector:
         if prober is not None:
             self._report(prober, lambda: prober.preattach(argv, env))
 
+    def scan_pid(self, pid: int) -> None:
+        """Probe what `pid` has mapped now (a load held until it is probed)."""
+        self._scan([pid])
+
     def _scan(self, pids: list[int]) -> None:
         prober = getattr(self.recorder, "prober", None)
         if prober is None:
             return
-        self._report(prober, lambda: prober.scan(pids))
+        with self._attach_lock:  # the main loop and held loads (uprobes/hold.py) both attach
+            self._report(prober, lambda: prober.scan(pids))
 
     def _report(self, prober, attach) -> None:
         seen = len(prober.notes)

@@ -293,7 +293,7 @@ TABLES: tuple[Table, ...] = (
         C("pid", "INTEGER", "Replay process."),
         C("syscall", "VARCHAR", "System call name."),
         C("fd", "INTEGER", "Inherited descriptor, where the call takes one."),
-        C("action", "VARCHAR", "denied (EPERM), swallowed (reported done, nothing happened), or redirected to /dev/null."),
+        C("action", "VARCHAR", "denied (EPERM), swallowed (reported done, nothing happened), redirected to /dev/null, or not allowed (ENOSYS: a call not on the replay's allowlist)."),
     )),
     Table("protection", "Ranks of a `watcher run` job on which snapshots and replay were off, and why "
           "(functional collectives, an unreachable store, ...): said at once on the job's stderr, never silent.", (

@@ -26,6 +26,9 @@ from .live import LiveView
 from .privileges import explain_compile_failure, require_bcc, require_bpf_privileges
 from .process_model import decode_wait_status
 from .store import RecordingWriter, give_to_invoking_user
+from .uprobes.hold import HoldServer
+from .uprobes.preattach import PREATTACH
+from .uprobes.tensor_layout import CACHE
 
 
 @dataclass
@@ -240,6 +243,9 @@ class Session:
         # The child is forked before the probes load (so it inherits none of
         # their descriptors) and held on a pipe until it is traced, so nothing
         # it does from its first instruction after exec is missed.
+        self._hold = self._start_hold()
+        if self._hold is not None:
+            env = self._hold.environment(env if env is not None else dict(os.environ))
         r, w = os.pipe()
         err_r, err_w = os.pipe()
         pid = os.fork()
@@ -426,11 +432,28 @@ class Session:
         self._say(f"Wrote the last {self.config.ring_minutes:g} min to {out}")
         return out
 
+    def _start_hold(self) -> HoldServer | None:
+        """Libraries called at once after loading are held at the load until
+        probed, where preattach could not find them (uprobes/hold.py)."""
+        libraries = sorted(lib for lib in PREATTACH if lib in self.config.probes)
+        server = HoldServer(libraries, lambda pid, path: self.collector.scan_pid(pid), CACHE)
+        return server if server.start() else None
+
+    def _stop_hold(self) -> dict:
+        hold, self._hold = getattr(self, "_hold", None), None
+        if hold is None:
+            return {}
+        hold.close()
+        for e in hold.errors:
+            self._say(f"warning: {e}")
+        return {"held_loads": str(hold.held)}
+
     def _finish(self, t0: int) -> SessionResult:
         c = self.collector
         if self._paused_pids is not None:  # still paused at the end
             self._paused_s += time.monotonic() - self._paused_since
         facts = {"paused_s": f"{self._paused_s:.3f}"} if self._paused_s else {}
+        facts.update(self._stop_hold())
         c.finish(interrupted=str(self._interrupts > 0).lower(), **facts)
         if self.config.ring_minutes is not None:
             out = self._dump_ring()
@@ -450,6 +473,7 @@ class Session:
 
     def _abandon(self) -> None:
         """Undo a session that never started: no half-written file left behind."""
+        self._stop_hold()
         try:
             self.collector.writer.con.close()
         except Exception:

@@ -365,6 +365,7 @@ SYSCALL_NAMES: dict[int, str] = {
     449: "futex_waitv",
     450: "set_mempolicy_home_node",
     335: "uretprobe",
+    336: "uprobe",
     451: "cachestat",
     452: "fchmodat2",
     453: "map_shadow_stack",

@@ -1,6 +1,8 @@
-"""`watcher export --perfetto`: a recording as Chrome Trace Event JSON.
+"""`watcher export --perfetto F --format json`: a recording as Chrome Trace Event JSON.
 
-Perfetto UI (and chrome://tracing) open this format directly.  Layout:
+Perfetto UI (and chrome://tracing) open this format directly; it is built in
+memory and capped at MAX_SYSCALLS calls.  The default export is Perfetto's
+protobuf trace (perfetto_trace.py): every call, streamed.  Layout:
 
 - every recorded process (upid) is a trace process, named `rank R (pid P)` for
   ranks, so a reused pid, or the same pid on two nodes, stays two processes;
@@ -88,7 +90,10 @@ def build(recs: Recordings) -> dict:
         events.append(dict(common, ph="e", ts=_us(ts + (dur or 0))))
     _, sc = recs.query(f"SELECT utid, ts, dur, name FROM syscall "
                        f"UNION ALL SELECT utid, ts, dur, op_name FROM futex ORDER BY ts LIMIT {MAX_SYSCALLS + 1}")
-    dropped = max(0, len(sc) - MAX_SYSCALLS)
+    dropped = 0
+    if len(sc) > MAX_SYSCALLS:
+        _, [(total,)] = recs.query("SELECT (SELECT count(*) FROM syscall) + (SELECT count(*) FROM futex)")
+        dropped = total - MAX_SYSCALLS
     for utid, ts, dur, name in sc[:MAX_SYSCALLS]:
         key = tid_of.get(utid, (0, utid))
         slices.setdefault(key, []).append({"name": name, "cat": "syscall", "ts": ts, "dur": dur or 0, "args": {}})

@@ -129,6 +129,17 @@ def _traps(out: str, sock: socket.socket, log) -> None:
     report("mkdir", lambda: os.mkdir(out + ".dir"))
     report("chmod", lambda: os.chmod(logfile, 0o777))
     report("symlink", lambda: os.symlink(logfile, out + ".link"))
+    report("shmget", lambda: raw(29, 0, 4096, 0o1600))  # SysV shared memory: not on the allowlist
+    report("ptrace", lambda: raw(101, 16, os.getppid(), 0, 0))  # PTRACE_ATTACH to the snapshot
+    report("add_key", lambda: raw(248, b"user", b"watcher", b"x", 1, -3))  # into the session keyring
+    report("perf_event_open", lambda: raw(298, ctypes.byref((ctypes.c_char * 128)()), 0, -1, -1, 0))
+    report("finit_module", lambda: raw(313, 0, b"", 0))
+    report("setuid", lambda: raw(105, 0))
+    report("chown", lambda: os.chown(logfile, 0, 0))
+    report("process_vm_readv", lambda: raw(310, os.getppid(), None, 0, None, 0, 0))
+    report("pidfd_getfd", lambda: raw(438, 0, 0, 0))
+    report("lseek_inherited", lambda: os.lseek(log.fileno(), 0, os.SEEK_SET))
+    report("close_inherited", lambda: (os.close(log.fileno()), os.fstat(log.fileno()).st_ino > 0)[1])
     report("sched_setaffinity_other", lambda: os.sched_setaffinity(os.getppid(), os.sched_getaffinity(0)))
     report("sched_setaffinity_self", lambda: os.sched_setaffinity(0, os.sched_getaffinity(0)))
     with open("/proc/self/status") as f:
