@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -188,11 +189,38 @@ def test_html_report_renders_in_headless_chromium(drills, tmp_path):
                    capture_output=True, timeout=120, check=True)
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000  # a rendered page, not a blank one
+    artefacts = ROOT / "test-artifacts"
+    artefacts.mkdir(exist_ok=True)
+    shutil.copy(shot, artefacts / "report.png")  # kept for a person to look at
     dom = subprocess.run(base + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120,
                          check=True).stdout
     assert '<ol class="chain">' in dom and "sample 5 has 64 non-finite values" in dom
     assert dom.count("<polyline") >= 4  # loss and grad norm, two ranks each
-    assert 'class="incident"' in dom  # the incident marked on the curves
+    # The verdict, chain and prescription lead; the curves follow.
+    assert dom.index('class="verdict"') < dom.index('class="chain"') < dom.index('class="prescription"') \
+        < dom.index('class="plot"')
+    assert "inc-0001: non_finite at step 12 on rank 1 -&gt; persistent" in dom
+    for svg in re.findall(r'<svg class="plot".*?</svg>', dom, re.S):
+        # Axes with values, the incident's step marked, the legend below the x axis (never over the plot).
+        x_axis, top = (float(y) for y in re.findall(r'class="axis" x1="[\d.]+" y1="([\d.]+)"', svg))
+        assert len(re.findall(r'<text class="tick"', svg)) >= 6
+        assert ">inc-0001 non_finite at step 12</text>" in svg
+        legend = [float(y) for y in re.findall(r'<g class="legend"><rect x="[\d.]+" y="([\d.]+)"', svg)]
+        assert len(legend) == 2 and min(legend) > x_axis + 20
+        labels = [float(y) for y in re.findall(r'class="incident-label" x="[\d.]+" y="([\d.]+)"', svg)]
+        assert labels and max(labels) < top  # incident labels in their band above the plot
+    assert "gradient norm (L2), log scale" in dom
+    # The window's timeline: a mark per rank and step, per collective, hover details on each.
+    inc = incident(out / "bad_batch")
+    lo, hi = inc["window"]["from_step"], inc["window"]["to_step"]
+    rec = out / "bad_batch" / "recording.duckdb"
+    [(n_steps,)] = query(rec, f"SELECT count(*) FROM step WHERE step > {lo} AND step <= {hi} AND dur > 0")
+    [(n_colls,)] = query(rec, f"SELECT count(*) FROM collective_io WHERE step > {lo} AND step <= {hi} "
+                              "AND ts IS NOT NULL")
+    assert dom.count('<rect class="step"') == n_steps and dom.count('<rect class="collective"') == n_colls
+    assert "<title>rank 1 step 12: " in dom
+    # What Watcher cost each rank.
+    assert re.search(r'<table class="cost">.*rank 0.*rank 1.*</table>', dom, re.S)
 
 
 @needs_bpf
@@ -299,7 +327,7 @@ def test_perfetto_export_is_a_protobuf_trace_with_every_call(drills, tmp_path):
         [loss] = [u for u, t in tracks.items() if t.name == "loss" and tracks[t.parent_uuid].name == rank_proc]
         got = sorted(p.track_event.double_counter_value for p in events if p.track_event.track_uuid == loss)
         assert got == sorted(x for (x,) in query(rec, f"SELECT loss FROM step WHERE rank = {rank} "
-                                                      "AND dur IS NOT NULL AND loss IS NOT NULL"))
+                                                      "AND dur IS NOT NULL AND isfinite(loss)"))
     # A fraction of the JSON export's size.
     as_json = tmp_path / "t.json"
     watcher("export", str(out / "bad_batch"), "--perfetto", str(as_json), "--format", "json", check=True)

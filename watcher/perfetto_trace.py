@@ -22,6 +22,7 @@ recorded CLOCK_MONOTONIC nanoseconds.
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -190,9 +191,10 @@ def write(recs: Recordings, f) -> dict:
             w.track(COUNTERS + 2 * rank, "loss", parent=parent, counter=True)
             w.track(COUNTERS + 2 * rank + 1, "grad norm", parent=parent, counter=True)
         w.slice(STEPS + rank, ts - dur, dur, f"step {step}", {"step": step, "loss": loss, "grad_norm": gn})
-        if loss is not None:
+        # A non-finite value is on the step's slice; a counter track plots numbers only.
+        if loss is not None and math.isfinite(loss):
             w.counter(COUNTERS + 2 * rank, ts, float(loss))
-        if gn is not None:
+        if gn is not None and math.isfinite(gn):
             w.counter(COUNTERS + 2 * rank + 1, ts, float(gn))
     _, colls = recs.query("SELECT rank, group_name, seq, op, step, ts, dur, numel, dtype FROM collective_io "
                           "WHERE ts IS NOT NULL ORDER BY rank, ts")

@@ -1,10 +1,12 @@
 """`watcher report`: the incidents of a recording, for a terminal or as one HTML page.
 
 The HTML page is self-contained (inline SVG, no script, nothing fetched), so
-it can be attached to a ticket or opened from an air-gapped cluster: loss and
-grad-norm curves per rank with each incident marked, a per-rank timeline of
-the replayed window (steps and collectives), the causal chain and the
-prescription.
+it can be attached to a ticket or opened from an air-gapped cluster.  Each
+incident comes first: its verdict, causal chain and prescription, and a
+per-rank timeline of the replayed window (steps, collectives, waits, details
+on hover); then loss and grad-norm curves per rank with axes and each
+incident marked; then what Watcher cost each rank.  Several nodes' run
+directories make one report.
 """
 
 from __future__ import annotations
@@ -36,7 +38,19 @@ def load(recs: Recordings) -> dict:
         have = incidents.get(inc["incident_id"])
         if have is None or (have.get("classification") is None and inc.get("classification") is not None):
             incidents[inc["incident_id"]] = inc  # one per incident: the node's copy with a verdict
-    return {"incidents": list(incidents.values()), "nodes": nodes,
+    waits = []
+    for inc in incidents.values():  # the blocking calls of each incident's window, for its timeline
+        w = inc.get("window") or {}
+        if w.get("from_step") is None or w.get("to_step") is None:
+            continue
+        _, rows = recs.query(
+            f"WITH span AS (SELECT min(ts - dur) AS t0, max(ts) AS t1 FROM step "
+            f"WHERE step > {int(w['from_step'])} AND step <= {int(w['to_step'])}) "
+            "SELECT p.rank, t.tid, s.ts, s.dur, s.name FROM syscall s JOIN process p USING (upid) "
+            "JOIN thread t USING (utid), span WHERE p.rank IS NOT NULL AND t.tid = p.pid AND s.dur >= 1000000 "
+            "AND s.ts BETWEEN span.t0 AND span.t1 ORDER BY s.dur DESC LIMIT 2000")
+        waits += [dict(zip(("rank", "tid", "ts", "dur", "name"), r)) for r in rows]
+    return {"incidents": list(incidents.values()), "nodes": nodes, "waits": waits,
             "unprotected": [{"rank": r, "reason": why} for r, why in off_rows],
             "steps": [dict(zip(("rank", "step", "ts", "dur", "loss", "grad_norm", "watcher_us"), r)) for r in step_rows],
             "colls": [dict(zip(("rank", "group", "seq", "op", "step", "ts", "dur"), r)) for r in coll_rows]}
@@ -154,7 +168,32 @@ def _finite(v) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def curve_svg(data: dict, field: str, title: str, width: int = 640, height: int = 220) -> str:
+def rank_colour(i: int) -> str:
+    """Eight distinct colours, then hues spread by the golden angle."""
+    return RANK_COLOURS[i] if i < len(RANK_COLOURS) else f"hsl({(i * 137.508) % 360:.0f},65%,42%)"
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """About n round values from lo to hi."""
+    span = hi - lo
+    raw = span / max(n - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+AXIS_NAMES = {"loss": "loss", "grad_norm": "gradient norm (L2)"}
+
+
+def curve_svg(data: dict, field: str, title: str, width: int = 680, height: int = 260) -> str:
+    """One curve per rank, with axes (step; the value, log scale where it
+    spans decades), the incidents marked in a band above the plot, and the
+    legend in its own band below the axis, where nothing else is drawn."""
     pts = [s for s in data["steps"] if _finite(s[field])]
     if not pts:
         return f"<p>No {field} recorded.</p>"
@@ -164,39 +203,68 @@ def curve_svg(data: dict, field: str, title: str, width: int = 640, height: int 
     ys = [val(p[field]) for p in pts]
     x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
     x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
-    pad = 40
-    sx = lambda x: pad + (x - x0) / (x1 - x0) * (width - 2 * pad)
-    sy = lambda y: height - pad + (y0 - y) / (y1 - y0) * (height - 2 * pad)
-    parts = [f'<svg class="plot" data-field="{field}" width="{width}" height="{height}" '
+    ranks = sorted({p["rank"] for p in pts})
+    incidents = [i for i in data["incidents"] if i.get("detected_step") is not None and x0 <= i["detected_step"] <= x1]
+    left, right, band = 64, 16, 14
+    top = 24 + band * max(1, min(len(incidents), 4))       # title, then one line per incident label
+    per_row = max(1, (width - left - right) // 72)
+    legend_rows = -(-len(ranks) // per_row)
+    plot_h = height - top - 44
+    total_h = height + 16 * legend_rows
+    bottom = top + plot_h
+    sx = lambda x: left + (x - x0) / (x1 - x0) * (width - left - right)
+    sy = lambda y: bottom - (y - y0) / (y1 - y0) * plot_h
+    parts = [f'<svg class="plot" data-field="{field}" width="{width}" height="{total_h}" '
              f'xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{html.escape(title)}">',
-             f'<rect x="0" y="0" width="{width}" height="{height}" fill="#fff"/>',
-             f'<text x="{pad}" y="16" font-size="13">{html.escape(title)}{" (log10)" if log else ""}</text>',
-             f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#888"/>',
-             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#888"/>',
-             f'<text x="{pad}" y="{height - pad + 16}" font-size="11">step {x0}</text>',
-             f'<text x="{width - pad - 50}" y="{height - pad + 16}" font-size="11">step {x1}</text>']
-    for inc in data["incidents"]:
-        k = inc.get("detected_step")
-        if k is not None and x0 <= k <= x1:
-            parts.append(f'<line class="incident" x1="{sx(k):.1f}" y1="{pad}" x2="{sx(k):.1f}" y2="{height - pad}" '
-                         f'stroke="#e00" stroke-dasharray="4 3"/>'
-                         f'<text x="{sx(k) + 3:.1f}" y="{pad + 10}" font-size="11" fill="#e00">'
-                         f'{html.escape(inc["incident_id"])} {html.escape(inc["kind"])}</text>')
+             f'<rect x="0" y="0" width="{width}" height="{total_h}" fill="#fff"/>',
+             f'<text x="{left}" y="16" font-size="13" font-weight="bold">{html.escape(title)}</text>',
+             f'<line class="axis" x1="{left}" y1="{bottom}" x2="{width - right}" y2="{bottom}" stroke="#888"/>',
+             f'<line class="axis" x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#888"/>']
+    for t in _ticks(x0, x1, 8):
+        if t != int(t):
+            continue
+        parts.append(f'<line class="tick" x1="{sx(t):.1f}" y1="{bottom}" x2="{sx(t):.1f}" y2="{bottom + 4}" '
+                     f'stroke="#888"/><text class="tick" x="{sx(t):.1f}" y="{bottom + 15}" font-size="10" '
+                     f'text-anchor="middle">{int(t)}</text>')
+    parts.append(f'<text x="{(left + width - right) / 2:.0f}" y="{bottom + 30}" font-size="11" '
+                 f'text-anchor="middle">step</text>')
+    for t in _ticks(y0, y1, 5):
+        label = _fmt(10 ** t) if log else _fmt(t)
+        parts.append(f'<line x1="{left}" y1="{sy(t):.1f}" x2="{width - right}" y2="{sy(t):.1f}" stroke="#eee"/>'
+                     f'<text class="tick" x="{left - 4}" y="{sy(t) + 3:.1f}" font-size="10" '
+                     f'text-anchor="end">{label}</text>')
+    ylabel = AXIS_NAMES.get(field, field) + (", log scale" if log else "")
+    parts.append(f'<text x="12" y="{(top + bottom) / 2:.0f}" font-size="11" text-anchor="middle" '
+                 f'transform="rotate(-90 12 {(top + bottom) / 2:.0f})">{html.escape(ylabel)}</text>')
+    for n, inc in enumerate(incidents):
+        k = inc["detected_step"]
+        y_label = 24 + band * (n % 4) + 10
+        parts.append(f'<line class="incident" x1="{sx(k):.1f}" y1="{y_label + 2}" x2="{sx(k):.1f}" y2="{bottom}" '
+                     f'stroke="#e00" stroke-dasharray="4 3"/>'
+                     f'<text class="incident-label" x="{min(sx(k) + 3, width - right - 150):.1f}" y="{y_label}" '
+                     f'font-size="11" fill="#e00">{html.escape(inc["incident_id"])} {html.escape(inc["kind"])} '
+                     f'at step {k}</text>')
     for s in data["steps"]:
         if s[field] is not None and not _finite(s[field]):
-            parts.append(f'<text class="non-finite" x="{sx(s["step"]) - 3:.1f}" y="{pad - 2}" font-size="11" '
+            parts.append(f'<text class="non-finite" x="{sx(s["step"]) - 3:.1f}" y="{top + 8}" font-size="11" '
                          f'fill="#e00"><title>rank {s["rank"]} step {s["step"]}: {s[field]}</title>x</text>')
-    for i, r in enumerate(sorted({p["rank"] for p in pts})):
-        line = " ".join(f"{sx(p['step']):.1f},{sy(val(p[field])):.1f}" for p in pts if p["rank"] == r)
-        colour = RANK_COLOURS[i % len(RANK_COLOURS)]
-        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{line}"/>'
-                     f'<text x="{width - pad + 4}" y="{pad + 14 * i}" font-size="11" fill="{colour}">rank {r}</text>')
+    for i, r in enumerate(ranks):
+        colour = rank_colour(i)
+        mine = [p for p in pts if p["rank"] == r]
+        line = " ".join(f"{sx(p['step']):.1f},{sy(val(p[field])):.1f}" for p in mine)
+        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{line}">'
+                     f'<title>rank {r}</title></polyline>')
+        lx, ly = left + 72 * (i % per_row), height + 16 * (i // per_row) - 4
+        parts.append(f'<g class="legend"><rect x="{lx}" y="{ly - 8}" width="12" height="3" fill="{colour}"/>'
+                     f'<text x="{lx + 16}" y="{ly - 3}" font-size="11" fill="{colour}">rank {r}</text></g>')
     parts.append("</svg>")
     return "".join(parts)
 
 
-def timeline_svg(data: dict, inc: dict, width: int = 640) -> str:
-    """Steps and collectives of the incident's window, one row per rank."""
+def timeline_svg(data: dict, inc: dict, width: int = 680) -> str:
+    """The incident's window, one row per rank: steps (the incident's in
+    red), collectives, and the training thread's blocking waits (system
+    calls of 1 ms or more) under them; every mark has its details on hover."""
     w = inc.get("window") or {}
     lo, hi = w.get("from_step"), w.get("to_step")
     if lo is None or hi is None:
@@ -207,9 +275,10 @@ def timeline_svg(data: dict, inc: dict, width: int = 640) -> str:
         return "<p>No steps recorded in the window.</p>"
     t0 = min(s["ts"] - s["dur"] for s in steps)
     t1 = max(s["ts"] for s in steps)
+    waits = [x for x in data.get("waits", []) if t0 <= x["ts"] <= t1]
     ranks = sorted({s["rank"] for s in steps})
-    row, pad = 28, 60
-    height = row * len(ranks) + 30
+    row, pad = 34, 60
+    height = row * len(ranks) + 44
     sx = lambda t: pad + (t - t0) / max(t1 - t0, 1) * (width - pad - 10)
     parts = [f'<svg class="timeline" width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">']
     for i, r in enumerate(ranks):
@@ -218,24 +287,61 @@ def timeline_svg(data: dict, inc: dict, width: int = 640) -> str:
         for s in (s for s in steps if s["rank"] == r):
             x, x2 = sx(s["ts"] - s["dur"]), sx(s["ts"])
             bad = s["step"] == inc.get("detected_step")
-            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{max(x2 - x - 1, 1):.1f}" height="18" '
-                         f'fill="{"#f4b6b6" if bad else "#cfe0f3"}"><title>step {s["step"]}</title></rect>'
+            loss = f", loss {_fmt(s['loss'])}" if s.get("loss") is not None else ""
+            parts.append(f'<rect class="step" x="{x:.1f}" y="{y}" width="{max(x2 - x - 1, 1):.1f}" height="18" '
+                         f'fill="{"#f4b6b6" if bad else "#cfe0f3"}"><title>rank {r} step {s["step"]}: '
+                         f'{s["dur"] / 1e6:.1f} ms{loss}</title></rect>'
                          f'<text x="{x + 2:.1f}" y="{y + 13}" font-size="9">{s["step"]}</text>')
         for c in (c for c in colls if c["rank"] == r and c["ts"] is not None):
             x = sx(c["ts"])
-            parts.append(f'<rect x="{x:.1f}" y="{y + 19}" width="{max(sx(c["ts"] + (c["dur"] or 0)) - x, 1):.1f}" '
-                         f'height="5" fill="#555"><title>{html.escape(c["op"])} #{c["seq"]}</title></rect>')
-    parts.append("</svg>")
+            parts.append(f'<rect class="collective" x="{x:.1f}" y="{y + 19}" '
+                         f'width="{max(sx(c["ts"] + (c["dur"] or 0)) - x, 1):.1f}" height="5" fill="#555">'
+                         f'<title>{html.escape(c["op"])} #{c["seq"]} ({html.escape(str(c["group"]))}), step '
+                         f'{c["step"]}: {(c["dur"] or 0) / 1e6:.2f} ms</title></rect>')
+        for x_ in (x_ for x_ in waits if x_["rank"] == r):
+            x = sx(x_["ts"])
+            parts.append(f'<rect class="wait" x="{x:.1f}" y="{y + 25}" width="{max(sx(x_["ts"] + x_["dur"]) - x, 1):.1f}" '
+                         f'height="4" fill="#c60"><title>rank {r} thread {x_["tid"]}: {html.escape(x_["name"])} '
+                         f'{x_["dur"] / 1e6:.1f} ms</title></rect>')
+    axis_y = 10 + len(ranks) * row
+    parts.append(f'<line class="axis" x1="{pad}" y1="{axis_y}" x2="{width - 10}" y2="{axis_y}" stroke="#888"/>')
+    for t in _ticks(0, (t1 - t0) / 1e6, 6):
+        x = sx(t0 + t * 1e6)
+        parts.append(f'<text class="tick" x="{x:.1f}" y="{axis_y + 13}" font-size="10" '
+                     f'text-anchor="middle">{_fmt(t)}</text>')
+    parts.append(f'<text x="{(pad + width) / 2:.0f}" y="{axis_y + 28}" font-size="11" text-anchor="middle">'
+                 f'ms from the window\'s first step (steps; collectives; waits of 1 ms or more)</text></svg>')
     return "".join(parts)
 
 
+def cost_table(data: dict) -> str:
+    """What Watcher cost each rank: its own time in the rank, per step."""
+    rows = []
+    for r in sorted({s["rank"] for s in data["steps"]}):
+        mine = [s for s in data["steps"] if s["rank"] == r]
+        share = own_cost(mine)
+        us = sorted(s["watcher_us"] for s in mine if s.get("watcher_us") is not None)
+        if share is None:
+            continue
+        rows.append(f"<tr><td>rank {r}</td><td>{100 * share:.2f}%</td><td>{us[len(us) // 2]:.0f} us</td>"
+                    f"<td>{len(mine)}</td></tr>")
+    if not rows:
+        return ""
+    return ('<h2>What Watcher cost the ranks</h2><table class="cost"><tr><th>rank</th><th>share of step time '
+            "(median)</th><th>per step (median)</th><th>steps</th></tr>" + "".join(rows) + "</table>")
+
+
 def html_report(data: dict, title: str) -> str:
+    """Each incident first (verdict, chain, prescription, its window), then
+    the curves, then what Watcher cost."""
     e = html.escape
-    body = [f"<h1>Watcher report: {e(title)}</h1>", f"<p>{e(text_report(data).splitlines()[0])}</p>",
-            curve_svg(data, "loss", "Loss per rank"), curve_svg(data, "grad_norm", "Gradient norm per rank")]
+    summary = text_report(data).split("\n\n")[0].splitlines()
+    body = [f"<h1>Watcher report: {e(title)}</h1>", '<ul class="summary">'
+            + "".join(f"<li>{e(line)}</li>" for line in summary) + "</ul>"]
     for inc in data["incidents"]:
         att = inc.get("attribution") or {}
-        body.append(f'<section class="incident" id="{e(inc["incident_id"])}"><h2>{e(incident_lines(inc)[0])}</h2>')
+        body.append(f'<section class="incident" id="{e(inc["incident_id"])}">'
+                    f'<h2 class="verdict">{e(incident_lines(inc)[0])}</h2>')
         if att:
             body.append(f"<p><b>Attribution:</b> {e(att['cause'])} (confidence {att.get('confidence')})</p>")
         chain = inc.get("causal_chain") or []
@@ -248,13 +354,17 @@ def html_report(data: dict, title: str) -> str:
                 + (f" <code>{e(link['op'])}</code>" if link.get("op") else "")
                 + f": {e(str(link.get('evidence')))}</li>" for link in chain) + "</ol>")
         if inc.get("prescription"):
-            body.append(f"<p><b>Prescription:</b> {e(describe_prescription(inc['prescription']))}</p>")
+            body.append(f'<p class="prescription"><b>Prescription:</b> '
+                        f'{e(describe_prescription(inc["prescription"]))}</p>')
         body.append("<h3>Replayed window</h3>" + timeline_svg(data, inc))
         body.append(f"<details><summary>Incident document</summary><pre>{e(json.dumps(inc, indent=1))}</pre>"
                     "</details></section>")
-    style = ("body{font-family:sans-serif;max-width:720px;margin:2em auto;color:#222}"
+    body += ["<h2>Training curves</h2>", curve_svg(data, "loss", "Loss per rank"),
+             curve_svg(data, "grad_norm", "Gradient norm per rank"), cost_table(data)]
+    style = ("body{font-family:sans-serif;max-width:760px;margin:2em auto;color:#222}"
              "svg{display:block;margin:1em 0;border:1px solid #ddd}code{background:#f4f4f4}"
-             "section{border-top:2px solid #ccc;margin-top:2em}")
+             "section{border-top:2px solid #ccc;margin-top:2em}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ddd;padding:2px 8px;text-align:right}")
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>Watcher report: {e(title)}</title>"
             f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
 
