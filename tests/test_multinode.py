@@ -61,8 +61,14 @@ def test_a_transient_on_node_1_is_replayed_across_nodes_and_merged(nodes, fault_
                for i in (0, 1) for r in (2 * i, 2 * i + 1)]
     assert all(x.get("relayed_mb", 0) > 0 for x in relayed)
     # One view over the nodes: the job as one, ranks by global rank, nodes named.
-    report = watcher("report", str(tmp_path / "node0"), str(tmp_path / "node1"), check=True).stdout.splitlines()
+    page = tmp_path / "job.html"
+    report = watcher("report", str(tmp_path / "node0"), str(tmp_path / "node1"), "--html", str(page),
+                     check=True).stdout.splitlines()
     assert report[:2] == [f"4 rank(s), {STEPS} steps, 1 incident(s)", "2 nodes: node0 (ranks 0..1), node1 (ranks 2..3)"]
+    page = page.read_text()  # one page for the job: both nodes, four ranks on every curve and timeline
+    assert "<li>2 nodes: node0 (ranks 0..1), node1 (ranks 2..3)</li>" in page
+    assert all(page.count(f">rank {r}</text></g>") == 2 for r in range(4))  # in the legend of both curves
+    assert all(f"<title>rank {r} step 12: " in page for r in range(4))
     rows = watcher("sql", str(tmp_path / "node0" / "recording.duckdb"), str(tmp_path / "node1" / "recording.duckdb"),
                    "SELECT rank, count(*) AS n FROM step GROUP BY 1 ORDER BY 1", "--format", "json", check=True).stdout
     assert [(r["rank"], r["n"]) for r in json.loads(rows)] == [(r, STEPS) for r in range(4)]

@@ -147,6 +147,16 @@ def _traps(out: str, sock: socket.socket, log) -> None:
     with open("/proc/self/maps") as f:
         report("shared_writable_mappings", lambda: sum(1 for line in f if line.split()[1][1::2] == "ws"))
 
+    # Every rule, by name: each call the filter traps, with arguments that
+    # name nothing of the live job's (the supervisor answers before the
+    # kernel would run the call; the capabilities are gone besides).
+    from watcher.replay import sandbox
+
+    for name in sandbox.NETWORK + sandbox.ALWAYS + sandbox.NEVER:
+        report(f"rule:{name}", lambda nr=sandbox.SYS[name]: raw(nr, -1, 0, 0, 0, 0, 0))
+    for name in sandbox.ON_INHERITED_FD:  # on the live job's log file
+        report(f"rule:{name}", lambda nr=sandbox.SYS[name]: raw(nr, log.fileno(), 0, 0, 0, 0, 0))
+
     # A write into the node's control block stays in the replay's own copy.
     from watcher.runtime import rank
 
