@@ -40,12 +40,13 @@ stored in the recording's `sandbox_event` table.
 
 Why user-notify rather than a ptrace supervisor (`just bench sandbox`,
 scripts/bench_sandbox.py, medians of 5 x 20,000 calls on this 2-core VM): a
-trapped call answered and logged by this supervisor adds 103 us, a ptrace
-tracer that only stops the child at each call's entry and exit 142 us (before
+trapped call answered and logged by this supervisor adds 110 us, a ptrace
+tracer that only stops the child at each call's entry and exit 145 us (before
 it reads or rewrites a register, which it would need to report "written"),
 a kernel-only EPERM nothing (it is cheaper than the call it refuses, but can
 neither log, swallow nor redirect); a call the filter lets through adds
-0.07 us.  Only trapped calls pay, and a replay makes few.
+nothing measurable (its binary search is at most 24 instructions).  Only
+trapped calls pay, and a replay makes few.
 """
 
 from __future__ import annotations
