@@ -37,7 +37,7 @@ class Detectors:
     stall_factor: float = 10.0
     straggler: bool = True
     # 2x, not 1.5x: a healthy 2-rank job on a busy 2-core VM measured 1.50-1.66x for
-    # minutes at a time (a 17-min reference run); a real straggler is far past that.
+    # minutes at a time (a 19-min reference run); a real straggler is far past that.
     straggler_factor: float = 2.0
     straggler_min_ms: float = 10.0
     straggler_window: int = 16
