@@ -199,7 +199,8 @@ def test_html_report_renders_in_headless_chromium(drills, tmp_path):
     # The verdict, chain and prescription lead; the curves follow.
     assert dom.index('class="verdict"') < dom.index('class="chain"') < dom.index('class="prescription"') \
         < dom.index('class="plot"')
-    assert "inc-0001: non_finite at step 12 on rank 1 -&gt; persistent" in dom
+    # Either rank may see the NaN first (the allreduce spreads it): the detector's rank is not fixed.
+    assert re.search(r"inc-0001: non_finite at step 12 on rank [01] -&gt; persistent", dom)
     for svg in re.findall(r'<svg class="plot".*?</svg>', dom, re.S):
         # Axes with values, the incident's step marked, the legend below the x axis (never over the plot).
         x_axis, top = (float(y) for y in re.findall(r'class="axis" x1="[\d.]+" y1="([\d.]+)"', svg))
