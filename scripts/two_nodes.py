@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from pyroute2 import IPRoute, NetNS, netns
@@ -64,17 +67,52 @@ class TwoNodes:
                                 preexec_fn=lambda n=self.names[node]: netns.setns(n), **kwargs)
 
     def run_both(self, cmds: list[list[str]], timeout: float = 900) -> list[subprocess.CompletedProcess]:
-        """Each command in its node's namespace, at once; their results."""
-        procs = [self.start(i, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i, cmd in enumerate(cmds)]
-        out = []
-        for p in procs:
-            try:
-                so, se = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                so, se = p.communicate()
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+        """Each command in its node's namespace, at once; their results.
+        Output goes to files, not pipes: a rank its launcher left behind
+        holds its copies of them and would keep a pipe open for ever.  Once
+        a launcher has exited (or timed out), whatever is left in its node's
+        namespace is killed."""
+        with tempfile.TemporaryDirectory(prefix="watcher-nodes-") as d:
+            files = [(open(Path(d) / f"out{i}", "w+"), open(Path(d) / f"err{i}", "w+")) for i in range(len(cmds))]
+            procs = [self.start(i, cmd, stdout=files[i][0], stderr=files[i][1]) for i, cmd in enumerate(cmds)]
+            deadline = time.monotonic() + timeout
+            out = []
+            for i, p in enumerate(procs):
+                try:
+                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                left = self.kill_left_in(i)
+                so, se = (f.seek(0) or f.read() for f in files[i])
+                if left:
+                    se += f"\n[two_nodes: killed {left} process(es) left in node {i}'s namespace]\n"
+                out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+            for pair in files:
+                for f in pair:
+                    f.close()
         return out
+
+    def kill_left_in(self, node: int) -> list[int]:
+        """SIGKILL every process left in the node's network namespace but
+        Watcher's retained snapshots (w-snap-R, kept for `watcher diagnose`);
+        their pids."""
+        try:
+            ns = os.stat(f"/run/netns/{self.names[node]}").st_ino
+        except OSError:
+            return []
+        killed = []
+        for pid in (int(x) for x in os.listdir("/proc") if x.isdigit()):
+            try:
+                if os.stat(f"/proc/{pid}/ns/net").st_ino == ns:
+                    with open(f"/proc/{pid}/comm") as f:
+                        if f.read().startswith("w-snap-"):
+                            continue
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            except OSError:
+                pass
+        return killed
 
     def watched(self, tmp: Path, faults, policy: str = "recover", detect: dict | None = None) -> list[list[str]]:
         """`watcher run` on each node (the library API: only it injects drill faults)."""
