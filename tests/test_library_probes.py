@@ -331,21 +331,34 @@ def test_python_frame_layout_and_line_table_match_this_interpreter():
     assert n > 10_000
 
 
+def load_and_call(cudart: str, nccl: str, init: bool = False) -> str:
+    """A script that loads CUDA's runtime and calls cudaGetDeviceCount 5 times
+    at once, then NCCL's ncclGetVersion (and ncclCommInitRank with `init`),
+    and prints what each returned."""
+    return textwrap.dedent(f"""
+        import ctypes, json
+        cudart = ctypes.CDLL({cudart!r})
+        n = ctypes.c_int(-7)
+        rcs = [cudart.cudaGetDeviceCount(ctypes.byref(n)) for _ in range(5)]
+        nccl = ctypes.CDLL({nccl!r})
+        v = ctypes.c_int(-7)
+        got = {{"rcs": rcs, "version_rc": nccl.ncclGetVersion(ctypes.byref(v)), "version": v.value}}
+        if {init!r}:
+            class UniqueId(ctypes.Structure):  # ncclUniqueId, passed by value
+                _fields_ = [("internal", ctypes.c_char * 128)]
+            comm = ctypes.c_void_p()
+            got["init_rc"] = nccl.ncclCommInitRank(ctypes.byref(comm), 1, UniqueId(), 0)  # no GPU: an error code
+        print(json.dumps(got))
+    """)
+
+
 @needs_bpf
 @needs_libs
 def test_calls_right_after_a_load_are_recorded_from_the_first(tmp_path):
     """A recorded command that loads CUDA's runtime and NCCL and calls them at
     once, with no wait: every call is recorded, because the libraries its
     Python can load were probed before it started (uprobes/preattach.py)."""
-    script = textwrap.dedent(f"""
-        import ctypes, json
-        cudart = ctypes.CDLL({CUDART!r})
-        n = ctypes.c_int(-7)
-        rcs = [cudart.cudaGetDeviceCount(ctypes.byref(n)) for _ in range(5)]
-        nccl = ctypes.CDLL({NCCL!r})
-        v = ctypes.c_int(-7)
-        print(json.dumps({{"rcs": rcs, "version_rc": nccl.ncclGetVersion(ctypes.byref(v)), "version": v.value}}))
-    """)
+    script = load_and_call(CUDART, NCCL)
     out = tmp_path / "first.duckdb"
     p = record(out, sys.executable, "-c", script)
     assert p.returncode == 0, p.stderr
@@ -367,20 +380,7 @@ def test_a_library_found_only_at_its_load_is_held_until_probed(tmp_path):
     libs = tmp_path / "found-late"
     libs.mkdir()
     cudart, nccl = shutil.copy(CUDART, libs), shutil.copy(NCCL, libs)
-    script = textwrap.dedent(f"""
-        import ctypes, json
-        cudart = ctypes.CDLL({cudart!r})
-        n = ctypes.c_int(-7)
-        rcs = [cudart.cudaGetDeviceCount(ctypes.byref(n)) for _ in range(5)]
-        nccl = ctypes.CDLL({nccl!r})
-        v = ctypes.c_int(-7)
-        version_rc = nccl.ncclGetVersion(ctypes.byref(v))
-        class UniqueId(ctypes.Structure):  # ncclUniqueId, passed by value
-            _fields_ = [("internal", ctypes.c_char * 128)]
-        comm = ctypes.c_void_p()
-        init_rc = nccl.ncclCommInitRank(ctypes.byref(comm), 1, UniqueId(), 0)  # no GPU: an error code
-        print(json.dumps({{"rcs": rcs, "version_rc": version_rc, "version": v.value, "init_rc": init_rc}}))
-    """)
+    script = load_and_call(cudart, nccl, init=True)
     out = tmp_path / "held.duckdb"
     p = record(out, sys.executable, "-c", script)
     assert p.returncode == 0, p.stderr
