@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +82,9 @@ class TwoNodes:
                 try:
                     p.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
+                    # What every process of both nodes is doing, before any dies:
+                    # a hang is only worth reporting with where it hung.
+                    files[i][1].write(self.stacks())
                     p.kill()
                     p.wait()
                 left = self.kill_left_in(i)
@@ -93,23 +97,51 @@ class TwoNodes:
                     f.close()
         return out
 
-    def kill_left_in(self, node: int) -> list[int]:
-        """SIGKILL every process left in the node's network namespace but
-        Watcher's retained snapshots (w-snap-R, kept for `watcher diagnose`);
-        their pids."""
+    def pids_in(self, node: int) -> list[int]:
         try:
             ns = os.stat(f"/run/netns/{self.names[node]}").st_ino
         except OSError:
             return []
-        killed = []
+        found = []
         for pid in (int(x) for x in os.listdir("/proc") if x.isdigit()):
             try:
                 if os.stat(f"/proc/{pid}/ns/net").st_ino == ns:
-                    with open(f"/proc/{pid}/comm") as f:
-                        if f.read().startswith("w-snap-"):
-                            continue
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
+                    found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    def stacks(self) -> str:
+        """Python and native stacks of every process in both namespaces
+        (py-spy), for the report of a run that timed out."""
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        if not os.path.exists(spy):
+            return "\n[two_nodes: timed out; py-spy not installed, no stacks]\n"
+        out = ["\n[two_nodes: timed out; stacks of what is left]"]
+        for node in (0, 1):
+            for pid in self.pids_in(node):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+                    dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                                          text=True, timeout=60)
+                    out.append(f"--- node {node} pid {pid}: {cmd}\n{dump.stdout[-3000:]}{dump.stderr[-300:]}")
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    out.append(f"--- node {node} pid {pid}: no stack ({e})")
+        return "\n".join(out) + "\n"
+
+    def kill_left_in(self, node: int) -> list[int]:
+        """SIGKILL every process left in the node's network namespace but
+        Watcher's retained snapshots (w-snap-R, kept for `watcher diagnose`);
+        their pids."""
+        killed = []
+        for pid in self.pids_in(node):
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().startswith("w-snap-"):
+                        continue
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
             except OSError:
                 pass
         return killed

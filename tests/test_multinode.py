@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import sys
 from pathlib import Path
 
@@ -31,10 +32,18 @@ def nodes():
 
 @pytest.fixture(scope="module")
 def fault_free(nodes, tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("plain2")
-    done = nodes.run_both([nodes.job(i, d / f"p{i}.pt") for i in (0, 1)])
-    assert [p.returncode for p in done] == [0, 0], done[1].stderr[-2000:]
-    return (d / "p0.pt.sha256").read_text()
+    """The parameters' digest of the job run without Watcher.  This plain
+    gloo job (no Watcher in it) takes ~10 s; it is given 4 minutes and one more
+    try, with the stacks of the first try's processes kept as a warning if it
+    hung: the baseline's own flakiness is not what these tests are about."""
+    for attempt in (1, 2):
+        d = tmp_path_factory.mktemp(f"plain2-{attempt}")
+        done = nodes.run_both([nodes.job(i, d / f"p{i}.pt") for i in (0, 1)], timeout=240)
+        if [p.returncode for p in done] == [0, 0]:
+            return (d / "p0.pt.sha256").read_text()
+        tails = "\n".join(f"node {i} (exit {p.returncode}):\n{p.stderr[-6000:]}" for i, p in enumerate(done))
+        assert attempt == 1, tails
+        warnings.warn(f"plain 2-node baseline failed once, retried:\n{tails}")
 
 
 def _incidents(tmp: Path) -> list[dict]:
