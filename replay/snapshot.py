@@ -131,6 +131,9 @@ class ForkSnapshot:
         self.fork_ns = fork_ns
         self.run_dir, self.rank = run_dir, rank
         self.released = False
+        # One order at a time: an audit's thread and the training thread's
+        # incident may both ask this snapshot; each waits for its own reply.
+        self.lock = threading.Lock()
         self.incident_id = None  # set when a persistent incident keeps it for diagnosis
 
     @classmethod
@@ -168,17 +171,24 @@ class ForkSnapshot:
         return cls(pid, k, cmd_w, resp_r, fork_ns, rt.run_dir, rt.rank, rt.window_dir)
 
     def replay(self, to_step: int, out_dir: ReplayDir, timeout: float = 300.0,
-               exchange: Path | None = None, variant: dict | None = None, state_copy: int | None = None) -> dict:
+               exchange: Path | None = None, variant: dict | None = None, state_copy: int | None = None,
+               audit: bool = False) -> dict:
         """Re-execute steps step+1..to_step in a sandboxed child; returns how it ended.
         With `exchange` (a directory shared by every rank's replay of this
         window) the replay is coordinated: collectives are computed from the
         replayed inputs of all ranks instead of answered from the record.
         `variant` makes it a counterfactual replay (variants.py).  With
         `state_copy` (a step) the replay starts from that step's state copy
-        (state_copy.py) instead of the snapshot's own state."""
+        (state_copy.py) instead of the snapshot's own state.  An `audit`
+        replay (runtime/audit.py) runs at the lowest CPU priority."""
+        with self.lock:
+            return self._replay(to_step, out_dir, timeout, exchange, variant, state_copy, audit)
+
+    def _replay(self, to_step, out_dir, timeout, exchange, variant, state_copy, audit) -> dict:
         out_dir.make()
         order = replay_order(self.rank, to_step, out_dir, exchange, timeout, variant)
         order["state_copy"] = state_copy
+        order["nice"] = 19 if audit else 0
         t0 = time.monotonic()
         os.write(self.cmd_w, (json.dumps(order) + "\n").encode())
         reply = _read_reply(self.resp_r, timeout)
@@ -498,6 +508,8 @@ def _enter_replay(rt: Rank, order: dict, listener_w: int) -> None:
     _name_process(f"w-replay-{rt.rank}")
     libc = ctypes.CDLL(None)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if order.get("nice"):
+        os.nice(order["nice"])  # an audit: the live ranks' training always runs first
     window = Window.load(segment_paths(Path(order.get("window_dir") or rt.window_dir), rt.rank, rt.step))
     t_window = time.monotonic_ns()
     result = open(order["result"], "wb")

@@ -158,7 +158,9 @@ class ReplayState:
                   "coordinated": self.exchange is not None, "from_record": self.from_record,
                   "exchange_ms": None if self.exchange is None else
                   {"publish": round(self.exchange.publish_ns / 1e6, 1), "wait": round(self.exchange.wait_ns / 1e6, 1)},
-                  "wall_ns": time.monotonic_ns() - self.t0, "variant": self.variant.get("name")}
+                  "wall_ns": time.monotonic_ns() - self.t0, "variant": self.variant.get("name"),
+                  # CPU of this process alone (a fork starts its counts at zero): what an audit costs
+                  "cpu_s": round(time.process_time(), 4)}
         try:
             result.update(self.extra)
             if self.tracer is not None:

@@ -278,6 +278,7 @@ def run(
                                                 "snapshots, which shorten replay windows (0: none; default: half the budget)."),
     detect: list[str] = typer.Option([], help="Detector setting KEY=VALUE (repeatable), e.g. loss_spike_z=10, hang_seconds=60."),
     replay_check: Optional[int] = typer.Option(None, help="At this step, replay the window on purpose and report whether it matches the record exactly."),
+    audit_budget: float = typer.Option(0.5, help="Background SDC audit: percent of the job's time spent re-executing recent windows off the training path and comparing them with the record (0 turns it off)."),
     retain: float = typer.Option(300.0, help="Seconds a persistent incident's frozen snapshots outlive the run, for "
                                  "`watcher diagnose` (0: none; `watcher release` frees them sooner)."),
 ):
@@ -286,7 +287,8 @@ def run(
 
     cfg = RunConfig(cmd=list(cmd), out=Path(out) if out else Path(f"watcher-run-{time.strftime('%Y%m%d-%H%M%S')}"),
                     policy=policy, snapshot_budget=snapshot_budget, snapshot_interval=snapshot_interval,
-                    copy_interval=copy_interval, detect=parse_detect(detect), replay_check=replay_check, retain_s=retain)
+                    copy_interval=copy_interval, detect=parse_detect(detect), replay_check=replay_check, retain_s=retain,
+                    audit_budget=audit_budget)
     result = run_job(cfg)
     print(f"Run directory {result.out}: {result.steps} steps recorded, {len(result.incidents)} incident(s). "
           f"Query: watcher sql {result.recording} \"SELECT * FROM step\"", file=sys.stderr)

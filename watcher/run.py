@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from .errors import RecordingError, UsageError
 from .incident import Incident, load_incidents, save_incident
 from .privileges import require_bcc, require_bpf_privileges
 from .rank_deaths import RankDeaths
-from .rundir import RunDir, read_json
+from .rundir import RunDir, read_json, write_json
 from .runtime import crashsite, wordsum
 from .runtime.control import PAUSE_RECORDER, SIZE, Control
 from .session import Session, SessionConfig
@@ -56,6 +57,7 @@ class RunConfig:
     inject: dict | list | None = None   # drills only: one fault or several
     replay_check: int | None = None     # replay the window ending at this step, healthy or not
     retain_s: float = 300.0             # a persistent incident's snapshots outlive the run this long
+    audit_budget: float = 0.5           # percent of the job's time the background SDC audit may use; 0 is off
     quiet: bool = False
 
     def validate(self) -> None:
@@ -69,6 +71,8 @@ class RunConfig:
             raise UsageError("--snapshot-interval must be at least 1 step")
         if self.copy_interval is not None and self.copy_interval < 0:
             raise UsageError("--copy-interval is a number of steps (0 turns state copies off)")
+        if not 0 <= self.audit_budget <= 100:
+            raise UsageError("--audit-budget is a percentage of the job's time, in [0, 100] (0 turns the audit off)")
         if not 0 <= self.retain_s <= 86400:
             raise UsageError("--retain is in seconds, from 0 (keep nothing) to 86400")
 
@@ -80,6 +84,7 @@ class RunConfig:
         env["WATCHER_RUN_DIR"] = str(self.out.resolve())
         env["WATCHER_POLICY"] = self.policy
         env["WATCHER_SNAPSHOT_BUDGET"] = str(self.snapshot_budget)
+        env["WATCHER_AUDIT_BUDGET"] = str(self.audit_budget / 100)
         env["WATCHER_RETAIN_S"] = str(self.retain_s)
         if self.snapshot_interval:
             env["WATCHER_SNAPSHOT_INTERVAL"] = str(self.snapshot_interval)
@@ -114,6 +119,7 @@ class RunResult:
     exit_code: int
     incidents: list[dict]
     steps: int
+    audit: dict | None = None           # the SDC audit's account (audit_summary)
 
     @property
     def recording(self) -> Path:
@@ -160,6 +166,7 @@ def run(cfg: RunConfig) -> RunResult:
     env = cfg.env()
     env["WATCHER_WINDOW_DIR"] = str(window_dir)
     deaths = RankDeaths(run_dir, ctl).start()  # so no rank waits for a dead peer
+    t_job = time.monotonic()
     try:
         try:
             result = session.record(list(cfg.cmd), env=env)
@@ -175,13 +182,71 @@ def run(cfg: RunConfig) -> RunResult:
             shutil.rmtree(window_dir, ignore_errors=True)
     steps = count_steps(run_dir.recording)
     code = result.target_exit or 0
+    audit = audit_summary(run_dir, steps, time.monotonic() - t_job)
     if not cfg.quiet:
+        if audit:
+            print(describe_audit(audit), file=sys.stderr)
         for off in run_dir.refusals():
             print(f"watcher: protection was off on rank {off['rank']}: {off['reason']}", file=sys.stderr)
         for inc in incidents:
             print(describe(inc), file=sys.stderr)
     _reap_orphans()
-    return RunResult(cfg.out, code, incidents, steps)
+    return RunResult(cfg.out, code, incidents, steps, audit)
+
+
+def audit_summary(run_dir: RunDir, steps: int, job_s: float) -> dict | None:
+    """The background SDC audit's account of the run (runtime/audit.py), kept as DIR/audit.json."""
+    summary = summarize_audits(run_dir, steps)
+    if summary is None:
+        return None
+    ranks = max(len(run_dir.logged_ranks()), 1)
+    summary["job_s"] = round(job_s, 1)
+    # Each rank's audit replays against each rank's time in the job.
+    summary["cost_share"] = round(summary["cpu_s"] / (ranks * job_s), 5) if job_s > 0 else None
+    try:
+        write_json(run_dir.audit_summary, summary)
+    except OSError:
+        pass
+    return summary
+
+
+def summarize_audits(run_dir: RunDir, steps_run: int) -> dict | None:
+    """The audits of a run, from every rank's log: windows, coverage, cost, findings."""
+    lines = []
+    for r in run_dir.logged_ranks():
+        p = run_dir.audit_log(r)
+        if p.exists():
+            for line in p.read_text().splitlines():
+                try:
+                    lines.append(json.loads(line))
+                except ValueError:
+                    continue
+    if not lines:
+        return None
+    by_audit: dict[int, list[dict]] = {}
+    for e in lines:
+        by_audit.setdefault(e["audit"], []).append(e)
+    audited = set()
+    for entries in by_audit.values():
+        if all(e["status"] in ("clean", "mismatch") for e in entries):
+            audited.update(range(entries[0]["from_step"] + 1, entries[0]["to_step"] + 1))
+    return {"audits": len(by_audit),
+            "clean": sum(all(e["status"] == "clean" for e in es) for es in by_audit.values()),
+            "mismatched": sum(any(e["status"] == "mismatch" for e in es) for es in by_audit.values()),
+            "failed": sum(any(e["status"] == "failed" for e in es) for es in by_audit.values()),
+            "steps_audited": len(audited), "steps_run": steps_run,
+            "coverage": round(len(audited) / steps_run, 4) if steps_run else None,
+            "cpu_s": round(sum(e.get("cpu_s") or 0 for e in lines), 3)}
+
+
+def describe_audit(a: dict) -> str:
+    found = (f"{a['mismatched']} departed from the record (see the sdc incidents)" if a["mismatched"]
+             else "every one matched the record")
+    return (f"watcher: SDC audit: {a['audits']} window(s), {a['steps_audited']} of {a['steps_run']} steps "
+            f"({100 * (a['coverage'] or 0):.1f}%) re-executed off the training path; {found}"
+            + (f"; {a['failed']} could not run" if a["failed"] else "")
+            + (f"; {a['cpu_s']:.1f} CPU-s, {100 * a['cost_share']:.2f}% of the ranks' time" if a.get("cost_share")
+               is not None else ""))
 
 
 def _window_dir(run_dir: RunDir) -> Path:

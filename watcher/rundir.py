@@ -10,6 +10,7 @@ the ranks, the replays, the launcher side and the readers all go through
     DIR/runtime/rank<r>.steps.jsonl      a rank's log: collective lines (they carry "seq") and step lines
     DIR/runtime/rank<r>.error            a rank's runtime failure (fail open), if any
     DIR/runtime/rank<r>.skipped.jsonl    samples a skip_batch prescription kept out
+    DIR/runtime/rank<r>.audits.jsonl     a rank's SDC audits, one line each (runtime/audit.py)
     DIR/runtime/incident.<seq>.json      an incident as opened by a rank (kind, step, halt step)
     DIR/runtime/crash_replay.rank<r>.step<k>.json   a replay order for an orphaned snapshot
     DIR/incidents/<id>.json              the incident document (watcher/incident.py), one writer
@@ -17,6 +18,8 @@ the ranks, the replays, the launcher side and the readers all go through
         from-copy/                       the replay from a state copy (a ReplayDir)
         diagnosis/round<n>.json, done.json, <variant>/ (a ReplayDir), reproducer/
         rediagnosis-<n>/                 `watcher diagnose` after the run
+    DIR/audit.json                       the audits' account: windows, coverage, findings, cost
+    DIR/audits/<n>/                      audit n's replays (a ReplayDir; a clean audit leaves only its logs)
     DIR/incidents/affinity/rank<r>.json  a rank's CPU set, said before a diagnosis
     DIR/retained/rank<r>.json            a snapshot kept after the run for `watcher diagnose`
     DIR/retained/window/, orders/rank<r>/  its window and the orders it takes
@@ -288,6 +291,16 @@ class RunDir:
 
     def logged_ranks(self) -> list[int]:
         return sorted({int(p.name[4:].split(".")[0]) for p in self.runtime.glob("rank*.steps.jsonl")})
+
+    def audit_log(self, rank: int) -> Path:
+        return self.runtime / f"rank{rank}.audits.jsonl"
+
+    @property
+    def audit_summary(self) -> Path:
+        return self.root / "audit.json"
+
+    def audit_dir(self, seq: int) -> ReplayDir:
+        return ReplayDir(self.root / "audits" / str(seq))
 
     def error_log(self, rank: int) -> Path:
         return self.runtime / f"rank{rank}.error"

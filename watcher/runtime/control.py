@@ -6,6 +6,7 @@ incident is open.  Cold path (an incident): small JSON files written with an
 atomic rename, so a reader never sees half a file.
 
     header  magic | incident_seq | plan_seq | verdict_seq | paused (a measurement: PAUSE_RUNTIME | PAUSE_RECORDER)
+            | audit_seq | audit_from | audit_to (the SDC audit rank 0 ordered last: audit.py)
     slot r  arrived_seq | arrived_step | copy interval wanted | fork interval wanted | ring of RING (step, param_sum)
             | pace (step, median own ns per step: straggler.py)
 
@@ -20,6 +21,7 @@ import fcntl
 import mmap
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +40,7 @@ SIZE = HEADER + MAX_RANKS * SLOT
 GONE = -2  # a slot's arrived word when its rank failed open
 _Q = struct.Struct("<q")
 _QQ = struct.Struct("<qq")
+_opening = threading.Lock()
 
 
 def process_state(pid: int) -> tuple[str, int] | None:
@@ -94,6 +97,17 @@ class Control:
     # the runtime does nothing but count steps (and the run can no longer be
     # replayed); with PAUSE_RECORDER the job leaves the recorder's traced set.
     paused = property(lambda self: self._get(4), lambda self, v: self._set(4, v))
+    audit_seq = property(lambda self: self._get(5))
+
+    def order_audit(self, from_step: int, to_step: int) -> None:
+        """Rank 0 orders an audit of steps from_step+1..to_step (audit.py):
+        the window first, the number last, so whoever sees the number sees its window."""
+        self._set(6, from_step)
+        self._set(7, to_step)
+        self._set(5, self.audit_seq + 1)
+
+    def audit_window(self) -> tuple[int, int]:
+        return self._get(6), self._get(7)
 
     # -- per-rank beacons ------------------------------------------------------------
     def beacon(self, rank: int, step: int, param_sum: int) -> None:
@@ -163,6 +177,10 @@ class Control:
         """Open an incident unless one is already open.  Returns its seq, or None."""
         if self.link is not None:
             return self.link.open_incident(info)
+        with _opening:  # flock does not exclude another thread of this process (one open file)
+            return self._open_incident(info)
+
+    def _open_incident(self, info: dict) -> int | None:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
             seq = self.incident_seq

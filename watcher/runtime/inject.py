@@ -8,7 +8,8 @@ of program state (step counter, batch content, CPU set), so a replay meets
 them again.
 
 Scenarios (all take "rank" and "step"):
-  grad_bitflip      flip the top exponent bit of one gradient element before its allreduce (transient)
+  grad_bitflip      flip the top exponent bit (or bit `bit`: 23, the lowest, doubles or halves the value, which
+                    no detector sees) of one gradient element before its allreduce (transient)
   allreduce_corrupt flip the top exponent bit of one element of an allreduce output (transient)
   stall             sleep `seconds` before one collective (transient)
   lr_spike          multiply the learning rate by `factor` at `step` (persistent, params)
@@ -71,10 +72,10 @@ def _null_write() -> None:
     ctypes.memset(0, 0, 8)
 
 
-def _flip_top_exponent_bit(t: torch.Tensor) -> None:
+def _flip_top_exponent_bit(t: torch.Tensor, bit: int = 30) -> None:
     flat = t.detach().view(-1)
     if flat.dtype == torch.float32 and flat.numel():
-        flat.view(torch.int32)[0] ^= 1 << 30
+        flat.view(torch.int32)[0] ^= 1 << bit
 
 
 def _peer_connections():
@@ -154,7 +155,7 @@ def _arm_one(rt, f: dict) -> None:
     if kind == "grad_bitflip":
         def hook(rt_, op, ins):
             if op == "allreduce" and rt_.step + 1 == step and ins and once():
-                _flip_top_exponent_bit(ins[0])
+                _flip_top_exponent_bit(ins[0], f.get("bit", 30))
         rt.fault_hooks.append(("collective_input", hook))
     elif kind == "allreduce_corrupt":
         def hook(rt_, meta, outs):

@@ -39,6 +39,7 @@ from ..replay.snapshot import ForkSnapshot, SnapshotPolicy
 from ..replay.state_copy import CopyPolicy, StateCopies
 from ..rundir import STOP_EXIT_CODE, RunDir, write_json
 from . import collectives, crashsite, inject, relink, remedies, transport
+from .audit import Audit
 from .checksum import PARTS, ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum
 from .collectives import computed_in_replay
 from .control import PAUSE_RUNTIME, Control, process_state
@@ -126,6 +127,7 @@ class RankRuntime:
         self.replay_check_step = int(os.environ.get("WATCHER_REPLAY_CHECK", "-1"))
         self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
         self.link = None              # nodes.NodeLink on a multi-node job
+        self.audit = None             # audit.Audit: the background SDC audit (live ranks only)
         self.local_ranks = list(range(self.world))  # the global ranks on this node
         self.halt_margin = 1          # steps from detection to the halt
         self._forking_snapshot = False  # between ForkSnapshot.take's fork and its return (see _child_is_not_a_rank)
@@ -201,6 +203,8 @@ class RankRuntime:
             pass
         crashsite.arm(self.rundir.crash_site(self.rank))  # where this rank dies, if it dies of a signal
         self.handled_seq = self.ctl.incident_seq
+        if self.mode == "live":
+            self.audit = Audit.from_env(self)
         self.watchdog = threading.Thread(target=self._watchdog, name="watcher-watchdog", daemon=True)
         self.watchdog.start()
         # A normal exit lets the snapshots go at once; after a crash they
@@ -516,6 +520,10 @@ class RankRuntime:
         # Every step reaches the file at once: a rank killed by a signal
         # flushes nothing, and its last steps are what a crash report needs.
         self.flush_logs()
+        if self.audit is not None and self.mode == "live":
+            if fork_due and self.rank == 0:
+                self.audit.maybe_order(k)
+            self.audit.poll()  # after this step's record: an audit's window may end here
         # This hook's work after the step's end timestamp (checksums, detection,
         # a snapshot's fork, logging) falls in the next step's duration.
         self.own_ns += time.perf_counter_ns() - self.fp_perf
@@ -628,8 +636,12 @@ class RankRuntime:
             return  # we are a replay child, returning into the training loop
         self.seg.start(k)
         self.snapshots.append(snap)
-        while len(self.snapshots) > self.snap_policy.keep:
-            old = self.snapshots.pop(0)
+        # The oldest go, but not one an audit is replaying from (or whose
+        # finding is an incident yet to replay from it).
+        pinned = self.audit.pinned if self.audit is not None else set()
+        free = [s for s in self.snapshots if s.step not in pinned]
+        for old in free[:max(0, len(free) - self.snap_policy.keep)]:
+            self.snapshots.remove(old)
             old.release()
         self.seg.drop_before(self.snapshots[0].step)
 
@@ -658,6 +670,12 @@ class RankRuntime:
 
     def incident_handled(self, seq: int) -> None:
         self.handled_seq = seq
+        if self.audit is not None:
+            self.audit.incident_handled()
+
+    def open_incident(self, info: dict) -> int | None:
+        """Open an incident from any thread (an audit's, the watchdog's); its seq, or None if one is open."""
+        return self.ctl.open_incident(info)
 
     def claim_incident(self, seq: int) -> bool:
         """Take incident `seq` to handle; False if another thread of this rank has."""
