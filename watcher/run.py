@@ -234,6 +234,8 @@ def summarize_audits(run_dir: RunDir, steps_run: int) -> dict | None:
             "clean": sum(all(e["status"] == "clean" for e in es) for es in by_audit.values()),
             "mismatched": sum(any(e["status"] == "mismatch" for e in es) for es in by_audit.values()),
             "failed": sum(any(e["status"] == "failed" for e in es) for es in by_audit.values()),
+            "skipped": sum(any(e["status"] == "skipped" for e in es) for es in by_audit.values()),
+            "ranks_audited": sorted({e["rank"] for e in lines if e["status"] in ("clean", "mismatch")}),
             "steps_audited": len(audited), "steps_run": steps_run,
             "coverage": round(len(audited) / steps_run, 4) if steps_run else None,
             "cpu_s": round(sum(e.get("cpu_s") or 0 for e in lines), 3)}
@@ -245,6 +247,7 @@ def describe_audit(a: dict) -> str:
     return (f"watcher: SDC audit: {a['audits']} window(s), {a['steps_audited']} of {a['steps_run']} steps "
             f"({100 * (a['coverage'] or 0):.1f}%) re-executed off the training path; {found}"
             + (f"; {a['failed']} could not run" if a["failed"] else "")
+            + (f"; {a['skipped']} skipped for an incident" if a.get("skipped") else "")
             + (f"; {a['cpu_s']:.1f} CPU-s, {100 * a['cost_share']:.2f}% of the ranks' time" if a.get("cost_share")
                is not None else ""))
 

@@ -247,8 +247,9 @@ TABLES: tuple[Table, ...] = (
     )),
     Table("incident", "Failures detected by `watcher run`, with the replay verdict; the full JSON is in DIR/incidents/.", (
         C("incident_id", "VARCHAR", "inc-0001, ..."),
-        C("kind", "VARCHAR", "crash, hang, sdc, loss_spike, non_finite, collective_error (a collective's transport "
-                             "failed), stall or straggler (reports: nothing halted)."),
+        C("kind", "VARCHAR", "crash, hang, sdc (replicas disagree, or the background audit's re-execution departed "
+                             "from the record: detail.found_by = 'audit'), loss_spike, non_finite, collective_error "
+                             "(a collective's transport failed), stall or straggler (reports: nothing halted)."),
         C("detected_step", "INTEGER", "The failing step."),
         C("detected_rank", "INTEGER", "The rank whose detector fired (or that crashed)."),
         C("detected_ts", TS, "When it was detected."),

@@ -17,7 +17,7 @@ Track A merge of the re-executed state, or Track B if it repeats).
 
 Budget: an audit is ordered only while the CPU the audits have used (rank
 0's replays, each rank's alike) is within `budget` of the job's wall time
-since its first step, so at the default (0.5%) a window is audited every so
+since its first step (less any time the audit was paused), so at the default (0.5%) a window is audited every so
 often, and coverage (the share of steps audited) grows with the budget.
 
 Each rank logs its audits to DIR/runtime/rank<r>.audits.jsonl; `watcher run`
@@ -38,7 +38,8 @@ import torch
 
 from ..replay.exchange import end_for
 from ..rundir import ReplayDir, exchange_dir
-from ..runtime.seam import Rank
+from .control import PAUSE_AUDIT
+from .seam import Rank
 
 DEFAULT_BUDGET = 0.005
 # What one audited step costs before any audit has measured it: a 4-step
@@ -54,7 +55,8 @@ class Audit:
         self.thread: threading.Thread | None = None
         self.cpu_s = 0.0                   # this rank's audit replays' CPU so far
         self.steps_audited = 0
-        self.t0 = time.monotonic()
+        self.earned_s = 0.0                # job time the budget accrues over (not while paused)
+        self.last_seen = time.monotonic()
         # Snapshot steps kept out of rotation (take_snapshot): where the next
         # audit may start (the end of the last window ordered, so that windows
         # can follow each other with no gap), the one an audit is replaying
@@ -91,7 +93,11 @@ class Audit:
                 self.off_said = True
                 print("watcher: the background SDC audit is off on a multi-node job", file=sys.stderr, flush=True)
             return
-        if self.busy or rt.ctl.incident_seq > rt.handled_seq or rt.ctl.audit_seq > self.seen:
+        now, paused = time.monotonic(), rt.ctl.paused & PAUSE_AUDIT
+        if not paused:
+            self.earned_s += now - self.last_seen
+        self.last_seen = now
+        if paused or self.busy or rt.ctl.incident_seq > rt.handled_seq or rt.ctl.audit_seq > self.seen:
             return
         held = [s.step for s in rt.snapshots if s.step < t and s.step > rt.window_gap]
         if not held:
@@ -101,7 +107,7 @@ class Audit:
         # prior before the first.  Go on from where the last window ended when
         # the credit covers the steps since; else audit the newest window and
         # leave a gap.
-        credit = self.budget * (time.monotonic() - self.t0) - self.cpu_s
+        credit = self.budget * self.earned_s - self.cpu_s
         per_step = self.cpu_s / self.steps_audited if self.steps_audited else PRIOR_CPU_S_PER_STEP
         start = max(held)
         if credit < per_step * (t - start):
@@ -123,10 +129,12 @@ class Audit:
         out = rt.rundir.audit_dir(seq)
         exchange = exchange_dir(rt.window_dir, f"audit-{seq}")
         snap = rt.snapshot_at(v)
-        if snap is None:
-            self._log(seq, v, t, {"status": "failed", "error": f"snapshot {v} is gone"})
+        why = (f"snapshot {v} is gone" if snap is None else
+               "an incident is being handled" if rt.ctl.incident_seq > rt.handled_seq else None)
+        if why:
+            self._log(seq, v, t, {"status": "skipped" if snap else "failed", "error": why})
             exchange.mkdir(exist_ok=True)
-            end_for(exchange, rt.rank, f"snapshot {v} is gone")  # no peer waits for this rank's inputs
+            end_for(exchange, rt.rank, why)  # no peer waits for this rank's inputs
             return
         self.in_use = v
         rt.flush()  # the window up to t is on disk before the replay reads it
@@ -188,13 +196,19 @@ class Audit:
         failing = div.get("step", min(entry.get("mismatched_steps") or [t]))
         last = max(rt.ctl.latest_step(r) for r in range(rt.world))
         now = time.monotonic_ns()
+        try:  # when the corrupted step ended, for the time to detection
+            ended = rt.rundir.read_steps(rt.rank, since=failing).get(failing, {}).get("ts")
+        except OSError:
+            ended = None
         opened = rt.open_incident({
             "kind": "sdc", "rank": rt.rank, "failing_step": failing,
             # Two steps past the furthest rank: every rank sees it before finishing the halt step.
             "halt_step": last + 1 + rt.halt_margin, "detected_ts": now, "detected_unix": time.time(),
             "detail": {"found_by": "audit", "audit": seq, "window": [v + 1, t], "rank": rt.rank,
                        "first_divergence": div or None, "mismatched_steps": entry.get("mismatched_steps"),
-                       "detected_after_steps": last - failing}})
+                       "detected_after_steps": last - failing,
+                       "detected_after_s": round((now - ended) / 1e9, 3) if ended else None,
+                       "device": this_device()}})
         if opened is None:
             self.found = None  # another incident is open; this audit's finding stays in its log
 
@@ -215,3 +229,14 @@ class Audit:
         except OSError:
             pass
 
+
+def this_device() -> dict:
+    """Where this rank computes (the device an sdc finding points at): on a
+    CPU job the host, the CPUs it may run on and the one it ran on last."""
+    try:
+        with open("/proc/self/stat") as f:
+            last_cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        last_cpu = None
+    return {"kind": "cpu", "host": os.uname().nodename, "cpus": sorted(os.sched_getaffinity(0)),
+            "last_cpu": last_cpu}

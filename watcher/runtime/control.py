@@ -35,7 +35,7 @@ HEADER = 64
 RING_AT = 32
 PACE_AT = RING_AT + RING * 16
 SLOT = PACE_AT + 16
-PAUSE_RUNTIME, PAUSE_RECORDER = 1, 2  # bits of the `paused` word
+PAUSE_RUNTIME, PAUSE_RECORDER, PAUSE_AUDIT = 1, 2, 4  # bits of the `paused` word
 SIZE = HEADER + MAX_RANKS * SLOT
 GONE = -2  # a slot's arrived word when its rank failed open
 _Q = struct.Struct("<q")
@@ -95,7 +95,8 @@ class Control:
     verdict_seq = property(lambda self: self._get(3), lambda self, v: self._set_global(3, "verdict_seq", v))
     # Measurement switch for `just bench run`, a bit mask: with PAUSE_RUNTIME
     # the runtime does nothing but count steps (and the run can no longer be
-    # replayed); with PAUSE_RECORDER the job leaves the recorder's traced set.
+    # replayed); with PAUSE_RECORDER the job leaves the recorder's traced set;
+    # with PAUSE_AUDIT no audit is ordered, nor does its budget accrue (`just bench audit`).
     paused = property(lambda self: self._get(4), lambda self, v: self._set(4, v))
     audit_seq = property(lambda self: self._get(5))
 
