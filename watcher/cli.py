@@ -278,7 +278,7 @@ def run(
                                                 "snapshots, which shorten replay windows (0: none; default: half the budget)."),
     detect: list[str] = typer.Option([], help="Detector setting KEY=VALUE (repeatable), e.g. loss_spike_z=10, hang_seconds=60."),
     replay_check: Optional[int] = typer.Option(None, help="At this step, replay the window on purpose and report whether it matches the record exactly."),
-    audit_budget: float = typer.Option(0.5, help="Background SDC audit: percent of the job's time spent re-executing recent windows off the training path and comparing them with the record (0 turns it off)."),
+    audit_budget: float = typer.Option(0.5, help="Background SDC audit: percent of the job's time spent re-executing recent windows off the training path and comparing them with the record (0 turns it off; above 100, every window is audited, for drills: the audit then competes with training for CPU)."),
     retain: float = typer.Option(300.0, help="Seconds a persistent incident's frozen snapshots outlive the run, for "
                                  "`watcher diagnose` (0: none; `watcher release` frees them sooner)."),
 ):

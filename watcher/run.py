@@ -71,8 +71,8 @@ class RunConfig:
             raise UsageError("--snapshot-interval must be at least 1 step")
         if self.copy_interval is not None and self.copy_interval < 0:
             raise UsageError("--copy-interval is a number of steps (0 turns state copies off)")
-        if not 0 <= self.audit_budget <= 100:
-            raise UsageError("--audit-budget is a percentage of the job's time, in [0, 100] (0 turns the audit off)")
+        if not 0 <= self.audit_budget <= 1000:
+            raise UsageError("--audit-budget is a percentage of the job's time, in [0, 1000] (0 turns the audit off)")
         if not 0 <= self.retain_s <= 86400:
             raise UsageError("--retain is in seconds, from 0 (keep nothing) to 86400")
 

@@ -1,35 +1,42 @@
-"""The background SDC audit: re-execute a recent verified window off the
-training path and compare it with the record.
+"""The background SDC audit: re-execute recent windows off the training path
+and compare them with the record.
 
 Silent corruption (a bit flipped in a gradient before its allreduce) is
 averaged into every replica: they still agree, the loss hardly moves, and no
 detector fires.  But the record holds every step's fingerprint and every
-collective input's checksum, and the snapshots hold the state to re-execute
-from.  So rank 0 orders, now and then, an audit of the window between the two
-newest snapshots (v, t]: every rank replays it from its snapshot v, in the
-sandbox, at the lowest CPU priority (nice 19: training always runs first),
-the replays trading collective inputs as an incident's replays do.  The live
-ranks never wait for it: a background thread of each rank waits on its
-snapshot's replay.  A replay that departs from the record where no detector
-saw anything opens an `sdc` incident at the divergence's step, which then
-goes through the usual protocol (replay from a snapshot before it, verdict,
-Track A merge of the re-executed state, or Track B if it repeats).
+collective input's checksum, and a fork of the rank holds the state to
+re-execute from.  So rank 0 orders, now and then, an audit of a window (a, b]:
+every rank forks itself at step a (an audit fork, outside the snapshots'
+rotation), and once step b is
+recorded replays a+1..b from that fork, in the sandbox, at the lowest CPU
+priority (nice 19: training always runs first), the ranks' replays trading
+collective inputs as an incident's replays do.  The live ranks never wait for
+it: a background thread of each rank waits on its fork's replay.  A replay
+that departs from the record opens an `sdc` incident at the divergence's step,
+which then goes through the usual protocol (replay from the fork before it,
+verdict, Track A merge of the re-executed state, or Track B if it repeats).
 
-Budget: an audit is ordered only while the CPU the audits have used (rank
-0's replays, each rank's alike) is within `budget` of the job's wall time
-since its first step (less any time the audit was paused), so at the default (0.5%) a window is audited every so
-often, and coverage (the share of steps audited) grows with the budget.
+Budget: a window of w steps is ordered once the budget has earned what it will
+cost (CPU of the audit replays, per audited step as measured so far, and the
+forks' time on the training path), against the job's wall time since its
+first step (less any time the audit was paused): at the default (0.5%) a short
+window every so often, so coverage (the share of steps audited) grows with the
+budget.  When the budget also covers the next window, the order says "chain":
+every rank forks again at b, and the next window starts there, with no gap.
 
-Each rank logs its audits to DIR/runtime/rank<r>.audits.jsonl; `watcher run`
-sums them up (run.audit_summary: coverage, cost, mismatches).  Audits need a single-node job:
-on many nodes the replays' inputs would have to cross nodes through live
-ranks (relay.py), which only halted ranks do; there the audit says it is off.
+The order is three words of the control block (runtime/control.py).  Each
+rank logs its audits to DIR/runtime/rank<r>.audits.jsonl; `watcher run` sums
+them up (run.audit_summary: coverage, cost, findings).  Audits need a
+single-node job: on many nodes the replays' inputs would have to cross nodes
+through live ranks (relay.py), which only halted ranks do; there the audit
+says it is off.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -37,7 +44,7 @@ import time
 import torch
 
 from ..replay.exchange import end_for
-from ..rundir import ReplayDir, exchange_dir
+from ..rundir import exchange_dir
 from .control import PAUSE_AUDIT
 from .seam import Rank
 
@@ -45,31 +52,31 @@ DEFAULT_BUDGET = 0.005
 # What one audited step costs before any audit has measured it: a 4-step
 # window of the reference job measured 0.12-0.14 CPU-s, setup included.
 PRIOR_CPU_S_PER_STEP = 0.05
+MIN_STEPS, MAX_STEPS = 4, 16  # a window's length: setup amortised, detection not too late
+LEAD = 2  # an order's fork is this many steps ahead: every rank has read it before reaching the step
+MAX_QUEUED = 4  # windows recorded and not yet replayed (each holds a fork): beyond, a gap
 
 
 class Audit:
     def __init__(self, rt: Rank, budget: float):
         self.rt = rt
         self.budget = budget
-        self.seen = rt.ctl.audit_seq       # the last order this rank started (or skipped)
-        self.thread: threading.Thread | None = None
-        self.cpu_s = 0.0                   # this rank's audit replays' CPU so far
+        self.seen = rt.ctl.audit_seq       # the last order this rank took
+        self.cpu_s = 0.0                   # this rank's audit replays' CPU so far, and its audit forks' time
         self.steps_audited = 0
         self.earned_s = 0.0                # job time the budget accrues over (not while paused)
         self.last_seen = time.monotonic()
-        # Snapshot steps kept out of rotation (take_snapshot): where the next
-        # audit may start (the end of the last window ordered, so that windows
-        # can follow each other with no gap), the one an audit is replaying
-        # from, and the one before a corruption an audit found (its incident
-        # replays from it).
-        self.next_from: int | None = None
-        self.in_use: int | None = None
-        self.found: int | None = None
+        self.forks: dict[int, object] = {}  # step -> an audit fork this rank holds
+        self.order: tuple | None = None    # (seq, a, b, chain) being recorded: fork at a, replay at b
+        self.ready: queue.Queue = queue.Queue()  # windows recorded, to replay one after the other
+        self.pending = 0                   # windows queued or replaying
+        self.judged: list[int] = []        # fork steps of the last windows replayed (kept for an incident)
+        self.found: int | None = None      # the fork before a corruption found (its incident replays from it)
+        self.queued: set[int] = set()      # fork steps of the windows queued or replaying
         self.off_said = False
-
-    @property
-    def pinned(self) -> set[int]:
-        return {s for s in (self.next_from, self.in_use, self.found) if s is not None}
+        self.draining = False              # the job's end: the last windows are replayed (drain)
+        self.worker = threading.Thread(target=self._work, daemon=True, name="watcher-audit")
+        self.worker.start()
 
     @classmethod
     def from_env(cls, rt: Rank) -> "Audit | None":
@@ -79,14 +86,105 @@ class Audit:
             budget = DEFAULT_BUDGET
         return cls(rt, budget) if budget > 0 else None
 
-    @property
-    def busy(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
+    # -- what the rank asks ---------------------------------------------------------------
+    def fork_due(self, k: int) -> bool:
+        """Is step k the start of an ordered window (or a chain's next) with no snapshot of its own here?"""
+        if self.order is None:
+            return False
+        _, a, b, chain = self.order
+        # Its own fork even where a snapshot was taken at the same step: the
+        # snapshots' rotation could let that one go before the window ends.
+        return (k == a or (chain and k == b)) and k not in self.forks
 
-    # -- rank 0: order ----------------------------------------------------------------------
-    def maybe_order(self, t: int) -> None:
-        """Just after the snapshot at step t (rank 0): order an audit of the
-        window since the previous snapshot if the budget allows it."""
+    def add_fork(self, k: int, snap) -> None:
+        self.forks[k] = snap
+        self.cpu_s += snap.fork_ns / 1e9  # the fork is time the training path spends on the audit
+
+    def held_steps(self) -> list[int]:
+        return sorted(self.forks)
+
+    def floor(self) -> int | None:
+        """The oldest step a held audit fork's window starts at (no segment before it may go)."""
+        return min(self.forks) if self.forks else None
+
+    def detach(self, snap) -> None:
+        """A fork the rank keeps for itself now (retained for diagnosis)."""
+        for k, s in list(self.forks.items()):
+            if s is snap:
+                del self.forks[k]
+
+    def drain(self, timeout: float) -> None:
+        """At the job's end: let the windows already recorded be replayed
+        (bounded), so its last steps are audited too.  Training is over; only
+        the exit waits.  A finding opens an incident that the rank's exit
+        handles (judged, not recovered: there is no next step)."""
+        self.draining = True
+        if self.order is not None:
+            # The window being recorded ends with the job: audit what there is of it.
+            seq, a, b, _ = self.order
+            self.order = None
+            last = self.rt.step
+            if a in self.forks and last > a:
+                self.rt.flush()
+                self.pending += 1
+                self.queued.add(a)
+                self.ready.put((seq, self.forks[a], a, last))
+            else:
+                self._abandon(seq, "the job ended before the window began")
+        deadline = time.monotonic() + timeout
+        while self.pending > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.found is not None:
+            time.sleep(0.5)  # a peer's finding of the same window reaches the control block
+
+    def release_all(self) -> None:
+        for s in self.forks.values():
+            s.release()
+        self.forks = {}
+
+    def incident_handled(self) -> None:
+        """The incident is over: recovered (every earlier state is stale) or not;
+        the forks kept for it go, and so does the window being recorded."""
+        self.found = None
+        self.judged = []
+        if self.order is not None:
+            self._abandon(self.order[0], "an incident was handled meanwhile")
+            self.order = None
+        for k in [k for k in self.forks if k not in self._in_use()]:
+            self.forks.pop(k).release()
+
+    # -- at each step end (training thread) ---------------------------------------------------
+    def step_ended(self, k: int) -> None:
+        """After step k's record: take a new order, queue a window whose last step this is, order the next (rank 0)."""
+        rt = self.rt
+        # The window that ends here first: rank 0 may already have ordered
+        # the next one (it can end this step before this rank does).
+        if self.order is not None and k >= self.order[2]:
+            seq, a, b, _ = self.order
+            self.order = None
+            snap = self.forks.get(a)
+            if snap is None:
+                self._abandon(seq, f"no fork at step {a}")
+            else:
+                rt.flush()  # the window up to b is on disk before the replay reads it
+                self.pending += 1
+                self.queued.add(a)
+                self.ready.put((seq, snap, a, b))
+        seq = rt.ctl.audit_seq
+        if seq > self.seen:
+            self.seen = seq
+            a, b, chain = rt.ctl.audit_window()
+            if self.order is not None:
+                self._abandon(self.order[0], "a newer order came")
+            self.order = (seq, a, b, chain)
+            if a <= k and a not in self.forks:
+                self._abandon(seq, f"no fork at step {a} here (the order came at step {k})")
+                self.order = None
+        self._drop_unused(k)
+        if rt.rank == 0:
+            self._maybe_order(k)
+
+    def _maybe_order(self, k: int) -> None:
         rt = self.rt
         if rt.link is not None:
             if not self.off_said:
@@ -97,73 +195,84 @@ class Audit:
         if not paused:
             self.earned_s += now - self.last_seen
         self.last_seen = now
-        if paused or self.busy or rt.ctl.incident_seq > rt.handled_seq or rt.ctl.audit_seq > self.seen:
+        if (paused or self.order is not None or self.pending >= MAX_QUEUED or rt.ctl.incident_seq > rt.handled_seq
+                or rt.exiting):
             return
-        held = [s.step for s in rt.snapshots if s.step < t and s.step > rt.window_gap]
-        if not held:
-            return
-        # An audit is ordered once the budget has earned what it will cost:
-        # the CPU per audited step measured so far (setup included), or a
-        # prior before the first.  Go on from where the last window ended when
-        # the credit covers the steps since; else audit the newest window and
-        # leave a gap.
         credit = self.budget * self.earned_s - self.cpu_s
         per_step = self.cpu_s / self.steps_audited if self.steps_audited else PRIOR_CPU_S_PER_STEP
-        start = max(held)
-        if credit < per_step * (t - start):
+        w = min(MAX_STEPS, int(credit / per_step)) if per_step > 0 else MAX_STEPS
+        if w < MIN_STEPS:
             return
-        if self.next_from in held and per_step * (t - self.next_from) <= credit:
-            start = self.next_from
-        rt.ctl.order_audit(start, t)
+        # The last window's chain fork, if taken here at k, starts the window
+        # now; else a fork LEAD steps ahead.
+        a = k if k in self.forks else k + LEAD
+        chain = credit - w * per_step >= w * per_step
+        rt.ctl.order_audit(a, a + w, chain)
 
-    # -- every rank: start the replay ----------------------------------------------------------
-    def poll(self) -> None:
-        """At a step end (training thread): start the audit rank 0 ordered."""
+    def _drop_unused(self, k: int) -> None:
+        for s in [s for s in self.forks if s not in self._in_use() and s < k]:
+            self.forks.pop(s).release()
+
+    def _in_use(self) -> set[int]:
+        """Fork steps still needed: the window being recorded (and its chain's
+        next start), the windows queued or replaying, the last ones judged
+        (a peer's finding may open an incident that replays from them)."""
+        keep = set(self.judged) | self.queued
+        if self.order is not None:
+            keep |= {self.order[1], self.order[2]}
+        if self.found is not None:
+            keep.add(self.found)
+        return keep
+
+    def _abandon(self, seq: int, why: str) -> None:
+        """This rank will not replay window `seq`: said in its log and to its
+        peers' replays (which would otherwise wait for its inputs)."""
+        self._log(seq, None, None, {"status": "skipped", "error": why})
+        try:
+            d = exchange_dir(self.rt.window_dir, f"audit-{seq}")
+            d.mkdir(exist_ok=True)
+            end_for(d, self.rt.rank, why)
+        except OSError:
+            pass
+
+    # -- the replays (background thread) ------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            seq, snap, a, b = self.ready.get()
+            try:
+                self._audit(seq, snap, a, b)
+            except Exception as e:  # an audit that cannot run is counted, never the job's problem
+                if self._closing():  # its fork went with the rank's exit
+                    self._log(seq, a, b, {"status": "skipped", "error": "the rank is exiting"})
+                else:
+                    self._log(seq, a, b, {"status": "failed", "error": str(e)[:300]})
+            finally:
+                self.queued.discard(a)
+                self.pending -= 1
+
+    def _audit(self, seq: int, snap, a: int, b: int) -> None:
         rt = self.rt
-        seq = rt.ctl.audit_seq
-        if seq <= self.seen or self.busy:
-            return
-        self.seen = seq
-        v, t = rt.ctl.audit_window()
-        self.next_from = t
         out = rt.rundir.audit_dir(seq)
         exchange = exchange_dir(rt.window_dir, f"audit-{seq}")
-        snap = rt.snapshot_at(v)
-        why = (f"snapshot {v} is gone" if snap is None else
-               "an incident is being handled" if rt.ctl.incident_seq > rt.handled_seq else None)
-        if why:
-            self._log(seq, v, t, {"status": "skipped" if snap else "failed", "error": why})
-            exchange.mkdir(exist_ok=True)
-            end_for(exchange, rt.rank, why)  # no peer waits for this rank's inputs
+        if rt.ctl.incident_seq > rt.handled_seq or self._closing():
+            self._abandon(seq, "the rank is exiting" if self._closing() else "an incident is being handled")
             return
-        self.in_use = v
-        rt.flush()  # the window up to t is on disk before the replay reads it
-        self.thread = threading.Thread(target=self._run, args=(seq, snap, v, t, out, exchange), daemon=True,
-                                       name="watcher-audit")
-        self.thread.start()
-
-    def _run(self, seq: int, snap, v: int, t: int, out: ReplayDir, exchange) -> None:
-        rt = self.rt
-        entry = {"status": "failed"}
-        try:
-            exchange.mkdir(exist_ok=True)
-            reply = snap.replay(t, out, timeout=max(60.0, 40 * self._median_step_s() * (t - v)),
-                                exchange=exchange, audit=True)
-            res = torch.load(out.result(rt.rank), weights_only=False) if out.result(rt.rank).exists() else {}
-            self.cpu_s += float(res.get("cpu_s") or 0)
-            entry = self._judge(res, reply)
-            if entry["status"] != "failed":
-                self.steps_audited += t - v
-        except Exception as e:  # an audit that cannot run is counted, never the job's problem
-            entry = {"status": "failed", "error": str(e)[:300]}
-        self._log(seq, v, t, entry)
-        if entry["status"] == "mismatch" and rt.mode == "live" and not rt.exiting:
-            self.found = v
-            self._report(seq, v, t, entry)
-        self.in_use = None
-        if entry["status"] != "mismatch":
-            # What a clean audit leaves is its summary line; its end state and
-            # the exchange's inputs are large and of no further use.
+        exchange.mkdir(exist_ok=True)
+        reply = snap.replay(b, out, timeout=max(60.0, 40 * self._median_step_s() * (b - a)),
+                            exchange=exchange, audit=True)
+        res = torch.load(out.result(rt.rank), weights_only=False) if out.result(rt.rank).exists() else {}
+        self.cpu_s += float(res.get("cpu_s") or 0)
+        entry = self._judge(res, reply)
+        if entry["status"] != "failed":
+            self.steps_audited += b - a
+        self._log(seq, a, b, entry)
+        self.judged = (self.judged + [a])[-2:]
+        if entry["status"] == "mismatch" and rt.mode == "live" and not self._closing():
+            self.found = a
+            self._report(seq, a, b, entry)
+        else:
+            # What a clean audit leaves is its log line; its end state and
+            # its inputs in the exchange are large and of no further use.
             for p in (out.result(rt.rank), exchange / f"rank{rt.rank}"):
                 try:
                     os.unlink(p)
@@ -187,13 +296,17 @@ class Audit:
         return dict(entry, status="mismatch", mismatched_steps=bad_steps,
                     mismatched_collectives=len(bad_colls), first_divergence=res.get("first_divergence"))
 
-    def _report(self, seq: int, v: int, t: int, entry: dict) -> None:
+    def _report(self, seq: int, a: int, b: int, entry: dict) -> None:
         """The replay departed from the record: an `sdc` incident at the
-        first step that differs (the verified state before it is snapshot v,
-        kept pinned until the incident is handled)."""
+        first step that differs (the verified state before it is the fork at
+        a, kept until the incident is handled)."""
         rt = self.rt
         div = entry.get("first_divergence") or {}
-        failing = div.get("step", min(entry.get("mismatched_steps") or [t]))
+        # The first step whose fingerprint differs, not this rank's first
+        # differing collective: a peer's corrupted input shows here one
+        # collective later, but in the same step's fingerprint.  The
+        # incident replays from a verified state before it.
+        failing = min(entry.get("mismatched_steps") or [div.get("step", b)])
         last = max(rt.ctl.latest_step(r) for r in range(rt.world))
         now = time.monotonic_ns()
         try:  # when the corrupted step ended, for the time to detection
@@ -204,7 +317,7 @@ class Audit:
             "kind": "sdc", "rank": rt.rank, "failing_step": failing,
             # Two steps past the furthest rank: every rank sees it before finishing the halt step.
             "halt_step": last + 1 + rt.halt_margin, "detected_ts": now, "detected_unix": time.time(),
-            "detail": {"found_by": "audit", "audit": seq, "window": [v + 1, t], "rank": rt.rank,
+            "detail": {"found_by": "audit", "audit": seq, "window": [a + 1, b], "rank": rt.rank,
                        "first_divergence": div or None, "mismatched_steps": entry.get("mismatched_steps"),
                        "detected_after_steps": last - failing,
                        "detected_after_s": round((now - ended) / 1e9, 3) if ended else None,
@@ -212,17 +325,16 @@ class Audit:
         if opened is None:
             self.found = None  # another incident is open; this audit's finding stays in its log
 
-    def incident_handled(self) -> None:
-        """The incident is over (recovered: every snapshot is new; or not): nothing is kept for it."""
-        self.found = None
-        self.next_from = None
+    def _closing(self) -> bool:
+        """The rank is going away without waiting for its audits (not draining them)."""
+        return self.rt.exiting and not self.draining
 
     def _median_step_s(self) -> float:
         ns = sorted(self.rt.step_ns)
         return ns[len(ns) // 2] / 1e9 if ns else 0.1
 
-    def _log(self, seq: int, v: int, t: int, entry: dict) -> None:
-        line = dict(entry, audit=seq, rank=self.rt.rank, from_step=v, to_step=t, ts=time.time())
+    def _log(self, seq: int, a: int | None, b: int | None, entry: dict) -> None:
+        line = dict(entry, audit=seq, rank=self.rt.rank, from_step=a, to_step=b, ts=time.time())
         try:
             with open(self.rt.rundir.audit_log(self.rt.rank), "a") as f:
                 f.write(json.dumps(line) + "\n")

@@ -41,6 +41,7 @@ GONE = -2  # a slot's arrived word when its rank failed open
 _Q = struct.Struct("<q")
 _QQ = struct.Struct("<qq")
 _opening = threading.Lock()
+CHAIN_BIT = 1 << 62
 
 
 def process_state(pid: int) -> tuple[str, int] | None:
@@ -100,15 +101,17 @@ class Control:
     paused = property(lambda self: self._get(4), lambda self, v: self._set(4, v))
     audit_seq = property(lambda self: self._get(5))
 
-    def order_audit(self, from_step: int, to_step: int) -> None:
-        """Rank 0 orders an audit of steps from_step+1..to_step (audit.py):
-        the window first, the number last, so whoever sees the number sees its window."""
+    def order_audit(self, from_step: int, to_step: int, chain: bool) -> None:
+        """Rank 0 orders an audit of steps from_step+1..to_step (audit.py),
+        `chain` (a fork at to_step for the next window) in the last word's top
+        bit: the window first, the number last, so whoever sees the number sees its window."""
         self._set(6, from_step)
-        self._set(7, to_step)
+        self._set(7, to_step | (CHAIN_BIT if chain else 0))
         self._set(5, self.audit_seq + 1)
 
-    def audit_window(self) -> tuple[int, int]:
-        return self._get(6), self._get(7)
+    def audit_window(self) -> tuple[int, int, bool]:
+        to = self._get(7)
+        return self._get(6), to & ~CHAIN_BIT, bool(to & CHAIN_BIT)
 
     # -- per-rank beacons ------------------------------------------------------------
     def beacon(self, rank: int, step: int, param_sum: int) -> None:

@@ -57,6 +57,10 @@ STUCK_GRACE_MIN_S, STUCK_GRACE_MAX_S = 5.0, 60.0
 RUNTIME: "RankRuntime | None" = None
 
 
+# How long a rank's exit waits for the audits of the windows it recorded last (audit.py).
+AUDIT_EXIT_WAIT_S = 60.0
+
+
 def _env_float(name: str, default: float) -> float:
     try:
         return float(os.environ.get(name, default))
@@ -507,6 +511,14 @@ class RankRuntime:
                 # figure rides on a later step's line.
                 threading.Thread(target=self._measure_snapshot, args=(self.snapshots[-2].pid,), daemon=True,
                                  name="watcher-snapmem").start()
+        if self.audit is not None and self.mode == "live" and not open_incident and self.audit.fork_due(k):
+            if "param_sum_full" not in fp:
+                fp["param_sum_full"] = self.param_sum(self.params())  # an audit's fork is verified whole too
+            snap = self.take_fork(k)
+            if snap is None:
+                return  # a replay child, woken from this fork: back to the training loop
+            self.audit.add_fork(k, snap)
+            fp["audit_fork"] = True
         if self.snapshot_mb is not None:
             fp["prev_snapshot_private_mb"], self.snapshot_mb = self.snapshot_mb, None
         fp["watcher_us"] = (self.own_ns + self.fp_perf - self.hook_t0) // 1000
@@ -521,9 +533,7 @@ class RankRuntime:
         # flushes nothing, and its last steps are what a crash report needs.
         self.flush_logs()
         if self.audit is not None and self.mode == "live":
-            if fork_due and self.rank == 0:
-                self.audit.maybe_order(k)
-            self.audit.poll()  # after this step's record: an audit's window may end here
+            self.audit.step_ended(k)  # after this step's record: an audit's window may end here
         # This hook's work after the step's end timestamp (checksums, detection,
         # a snapshot's fork, logging) falls in the next step's duration.
         self.own_ns += time.perf_counter_ns() - self.fp_perf
@@ -621,7 +631,9 @@ class RankRuntime:
         return None
 
     # -- snapshots ----------------------------------------------------------------------------
-    def take_snapshot(self, k: int) -> None:
+    def take_fork(self, k: int):
+        """Fork the rank at step k, and start a window segment there.  Returns
+        the fork in the rank, None in a replay child woken from it."""
         self.flush_logs()
         if self.modules is None and self.main_opt is not None:
             self.modules, self.schedulers = scan_training_objects(self.params(), self.main_opt)
@@ -632,29 +644,42 @@ class RankRuntime:
             snap = ForkSnapshot.take(self, k)
         finally:
             self._forking_snapshot = False
+        if snap is not None and not (self.seg.segments and self.seg.segments[-1][0] == k):
+            self.seg.start(k)  # (a snapshot and an audit's fork at one step share a segment)
+        return snap
+
+    def take_snapshot(self, k: int) -> None:
+        snap = self.take_fork(k)
         if snap is None:
             return  # we are a replay child, returning into the training loop
-        self.seg.start(k)
         self.snapshots.append(snap)
-        # The oldest go, but not one an audit is replaying from (or whose
-        # finding is an incident yet to replay from it).
-        pinned = self.audit.pinned if self.audit is not None else set()
-        free = [s for s in self.snapshots if s.step not in pinned]
-        for old in free[:max(0, len(free) - self.snap_policy.keep)]:
-            self.snapshots.remove(old)
+        while len(self.snapshots) > self.snap_policy.keep:
+            old = self.snapshots.pop(0)
             old.release()
-        self.seg.drop_before(self.snapshots[0].step)
+        self.drop_window()
+
+    def drop_window(self) -> None:
+        """Forget the window before the oldest fork held (a snapshot's or an audit's)."""
+        floors = [self.snapshots[0].step] if self.snapshots else []
+        if self.audit is not None and self.audit.floor() is not None:
+            floors.append(self.audit.floor())
+        if floors:
+            self.seg.drop_before(min(floors))
 
     def snapshot_at(self, step: int):
         for s in self.snapshots:
             if s.step == step:
                 return s
+        if self.audit is not None:
+            return self.audit.forks.get(step)
         return None
 
     # -- the seam: what replay may read and ask (seam.Rank) ------------------------------------
     def usable_snapshots(self) -> list[int]:
         """Steps of the snapshots a replay may start from: none from before a measurement's pause."""
-        return [s.step for s in self.snapshots if s.step > self.window_gap]
+        audited = self.audit.held_steps() if self.audit is not None else []
+        return sorted({s.step for s in self.snapshots if s.step > self.window_gap}
+                      | {s for s in audited if s > self.window_gap})
 
     def counters(self) -> dict:
         return {"step": self.step, "fetch_idx": self.fetch_idx, "seqs": [g.seq for g in self.groups]}
@@ -690,7 +715,10 @@ class RankRuntime:
         if snap is None:
             return
         snap.incident_id = incident_id
-        self.snapshots.remove(snap)
+        if snap in self.snapshots:
+            self.snapshots.remove(snap)
+        elif self.audit is not None:
+            self.audit.detach(snap)
         # One retained snapshot at a time: each is a copy-on-write image of the rank.
         for old in self.retained:
             old.release()
@@ -700,6 +728,8 @@ class RankRuntime:
         for snap in self.snapshots:
             snap.release()
         self.snapshots = []
+        if self.audit is not None:
+            self.audit.release_all()
         if self.copies is not None:
             self.copies.forget()
         self.resnapshot = True  # the next replay starts from the recovered state
@@ -827,7 +857,12 @@ class RankRuntime:
     def at_exit(self) -> None:
         """The training loop is over.  An incident opened in its last steps,
         whose halt step never came, is handled now, at this final boundary."""
-        self.exiting = True
+        self.exiting = True  # from here no stall, hang or straggler is a finding
+        if self.audit is not None and self.mode == "live" and not self.disabled:
+            try:
+                self.audit.drain(AUDIT_EXIT_WAIT_S)
+            except Exception as e:
+                self.fail(e)
         try:
             self._at_exit()
         finally:
@@ -890,6 +925,8 @@ class RankRuntime:
         for s in self.snapshots:
             s.release()
         self.snapshots = []
+        if self.audit is not None:
+            self.audit.release_all()
         if self.active:  # without snapshots the window serves nothing: free the tmpfs
             self.seg.close()
             self.seg.drop_before(1 << 62, recycle=False)
