@@ -121,7 +121,7 @@ def overhead(tmp: Path, pairs: int, window_s: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--budgets", default="100,10,2,0.5", help="audit budgets to try, percent")
+    ap.add_argument("--budgets", default="1000,10,2,0.5", help="audit budgets to try, percent")
     ap.add_argument("--pairs", type=int, default=8, help="off/on window pairs for the overhead")
     ap.add_argument("--window", type=float, default=15.0, help="seconds per window")
     args = ap.parse_args()
