@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, needs_bpf
+from .conftest import ROOT, needs_bpf, query
 from .test_run import plain, reference
 
 # The lowest exponent bit: one gradient element doubled or halved.  The loss
@@ -117,3 +117,7 @@ def test_a_healthy_job_audited_for_200_steps_has_no_mismatch(tmp_path, plain_has
     assert (summary["audits"] - summary["skipped"], summary["clean"], summary["mismatched"], summary["failed"]) == \
         (len(ws), len(ws), 0, 0)
     assert summary["steps_audited"] == sum(b - a for a, b in ws) and summary["steps_run"] == 200
+    # The same account in the recording, for SQL.
+    assert query(run / "recording.duckdb", "SELECT rank, from_step, to_step, steps FROM audit WHERE status = 'clean' "
+                                           "ORDER BY ALL") == sorted((e["rank"], e["from_step"], e["to_step"], e["steps"])
+                                                                     for e in done)

@@ -281,9 +281,20 @@ def run(
     audit_budget: float = typer.Option(0.5, help="Background SDC audit: percent of the job's time spent re-executing recent windows off the training path and comparing them with the record (0 turns it off; above 100, every window is audited, for drills: the audit then competes with training for CPU)."),
     retain: float = typer.Option(300.0, help="Seconds a persistent incident's frozen snapshots outlive the run, for "
                                  "`watcher diagnose` (0: none; `watcher release` frees them sooner)."),
+    preflight: bool = typer.Option(False, "--preflight", help="First try the job for a few steps (`watcher preflight`); "
+                                   "launch only if nothing would fail."),
 ):
     """Run a training command with recording, in-rank capture, snapshots, detectors and replay."""
     from .run import RunConfig, parse_detect, run as run_job
+
+    if preflight:
+        from .preflight import PreflightConfig, print_progress, run_preflight
+
+        report = run_preflight(PreflightConfig(cmd=list(cmd)), progress=print_progress)
+        print(report.text(), file=sys.stderr)
+        if report.exit_code:
+            print("watcher: not launched: fix what preflight found first", file=sys.stderr)
+            raise typer.Exit(report.exit_code)
 
     cfg = RunConfig(cmd=list(cmd), out=Path(out) if out else Path(f"watcher-run-{time.strftime('%Y%m%d-%H%M%S')}"),
                     policy=policy, snapshot_budget=snapshot_budget, snapshot_interval=snapshot_interval,
@@ -293,6 +304,32 @@ def run(
     print(f"Run directory {result.out}: {result.steps} steps recorded, {len(result.incidents)} incident(s). "
           f"Query: watcher sql {result.recording} \"SELECT * FROM step\"", file=sys.stderr)
     raise typer.Exit(result.exit_code)
+
+
+@app.command(epilog="Examples:\n\n  watcher preflight -- torchrun --nproc_per_node=8 train.py\n\n"
+                    "  watcher preflight --steps 50 --json preflight.json -- python train.py\n\n"
+                    "  sudo watcher run --preflight -- torchrun --nproc_per_node=8 train.py")
+def preflight(
+    cmd: list[str] = typer.Argument(..., help="Training command, after --."),
+    steps: int = typer.Option(20, help="Steps to try before stopping the job."),
+    timeout: float = typer.Option(300.0, help="Seconds the try may take."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Keep the job's output and the ranks' reports in "
+                                      "this directory (created; must not exist)."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+):
+    """Try the job for a few steps and report what would fail or be slow: memory against the limit (with the
+    largest batch that fits), CPU oversubscription, DataLoader workers, precision, devices, the link's
+    bandwidth. Exit 1 if anything would fail the run.  Needs no privileges."""
+    from .preflight import PreflightConfig, print_progress, run_preflight
+
+    report = run_preflight(PreflightConfig(cmd=list(cmd), steps=steps, timeout_s=timeout,
+                                           out=Path(out) if out else None), progress=print_progress)
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    print(report.text())
+    if json_out:
+        Path(json_out).write_text(json.dumps(report.to_dict(), indent=1))
+    raise typer.Exit(report.exit_code)
 
 
 @app.command(epilog="Examples:\n\n  sudo watcher drill\n\n  sudo watcher drill --scenario grad_bitflip\n\n"

@@ -212,15 +212,7 @@ def audit_summary(run_dir: RunDir, steps: int, job_s: float) -> dict | None:
 
 def summarize_audits(run_dir: RunDir, steps_run: int) -> dict | None:
     """The audits of a run, from every rank's log: windows, coverage, cost, findings."""
-    lines = []
-    for r in run_dir.logged_ranks():
-        p = run_dir.audit_log(r)
-        if p.exists():
-            for line in p.read_text().splitlines():
-                try:
-                    lines.append(json.loads(line))
-                except ValueError:
-                    continue
+    lines = read_audit_logs(run_dir)
     if not lines:
         return None
     by_audit: dict[int, list[dict]] = {}
@@ -239,6 +231,20 @@ def summarize_audits(run_dir: RunDir, steps_run: int) -> dict | None:
             "steps_audited": len(audited), "steps_run": steps_run,
             "coverage": round(len(audited) / steps_run, 4) if steps_run else None,
             "cpu_s": round(sum(e.get("cpu_s") or 0 for e in lines), 3)}
+
+
+def read_audit_logs(run_dir: RunDir) -> list[dict]:
+    """Every rank's audit lines (runtime/audit.py); a line still being written is skipped."""
+    lines = []
+    for r in run_dir.logged_ranks():
+        p = run_dir.audit_log(r)
+        if p.exists():
+            for line in p.read_text().splitlines():
+                try:
+                    lines.append(json.loads(line))
+                except ValueError:
+                    continue
+    return lines
 
 
 def describe_audit(a: dict) -> str:
@@ -394,7 +400,10 @@ def ingest(run_dir: RunDir) -> list[dict]:
                     sandbox_rows.append((inc["incident_id"], rank, e["ts"], e["pid"], e["syscall"], e.get("fd"),
                                          e["action"]))
     off_rows = [(r["rank"], r["reason"], r.get("ts")) for r in run_dir.refusals()]
+    audit_rows = [(e["rank"], e["audit"], e.get("from_step"), e.get("to_step"), e["status"], e.get("steps"),
+                   json.dumps(e["mismatched_steps"]) if e.get("mismatched_steps") else None, e.get("cpu_s"),
+                   e.get("wall_s"), e.get("error"), e.get("ts")) for e in read_audit_logs(run_dir)]
     write_run_tables(run_dir.recording, {"step": step_rows, "collective_io": coll_rows, "incident": inc_rows,
                                          "sandbox_event": sandbox_rows, "causal_link": chain_rows,
-                                         "protection": off_rows})
+                                         "protection": off_rows, "audit": audit_rows})
     return incidents

@@ -11,6 +11,7 @@ the ranks, the replays, the launcher side and the readers all go through
     DIR/runtime/rank<r>.error            a rank's runtime failure (fail open), if any
     DIR/runtime/rank<r>.skipped.jsonl    samples a skip_batch prescription kept out
     DIR/runtime/rank<r>.audits.jsonl     a rank's SDC audits, one line each (runtime/audit.py)
+    DIR/runtime/rank<r>.preflight.json   what `watcher preflight` learned inside rank r
     DIR/runtime/incident.<seq>.json      an incident as opened by a rank (kind, step, halt step)
     DIR/runtime/crash_replay.rank<r>.step<k>.json   a replay order for an orphaned snapshot
     DIR/incidents/<id>.json              the incident document (watcher/incident.py), one writer
@@ -291,6 +292,13 @@ class RunDir:
 
     def logged_ranks(self) -> list[int]:
         return sorted({int(p.name[4:].split(".")[0]) for p in self.runtime.glob("rank*.steps.jsonl")})
+
+    def preflight_file(self, rank: int) -> Path:
+        """What `watcher preflight` learned inside rank r (runtime/preflight_probe.py)."""
+        return self.runtime / f"rank{rank}.preflight.json"
+
+    def preflight_files(self) -> list[tuple[int, Path]]:
+        return sorted((int(p.name[4:].split(".")[0]), p) for p in self.runtime.glob("rank*.preflight.json"))
 
     def audit_log(self, rank: int) -> Path:
         return self.runtime / f"rank{rank}.audits.jsonl"

@@ -302,6 +302,21 @@ TABLES: tuple[Table, ...] = (
         C("reason", "VARCHAR", "Why, in words, and what still runs."),
         C("unix_time", "DOUBLE", "When the rank found out (Unix time, s)."),
     )),
+    Table("audit", "The background SDC audit of a `watcher run` job (watcher/runtime/audit.py): one row per rank "
+          "per window re-executed off the training path and compared with the record.", (
+        C("rank", "INTEGER", "Global rank."),
+        C("audit", "INTEGER", "The audit's number (rank 0 orders them); every rank replays the same window."),
+        C("from_step", "INTEGER", "The window replayed is from_step+1..to_step (NULL when skipped before it began)."),
+        C("to_step", "INTEGER", "Last step of the window."),
+        C("status", "VARCHAR", "clean (matched the record), mismatch (departed: an sdc incident), failed, "
+                               "skipped (an incident, the job's end)."),
+        C("steps", "INTEGER", "Steps the replay re-executed."),
+        C("mismatched_steps", "VARCHAR", "JSON list of the steps whose fingerprint departed from the record."),
+        C("cpu_s", "DOUBLE", "CPU the replay used (s)."),
+        C("wall_s", "DOUBLE", "Wall time of the replay (s), at the lowest CPU priority."),
+        C("error", "VARCHAR", "Why it failed or was skipped."),
+        C("unix_time", "DOUBLE", "When it ended (Unix time, s)."),
+    )),
     Table("prune", "Data removed to respect --max-size or --ring-minutes; what is missing, never silently.", (
         C("ts", TS, "When the prune happened."),
         C("table_name", "VARCHAR", "Table rows were removed from."),

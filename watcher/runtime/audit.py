@@ -16,7 +16,7 @@ that departs from the record opens an `sdc` incident at the divergence's step,
 which then goes through the usual protocol (replay from the fork before it,
 verdict, Track A merge of the re-executed state, or Track B if it repeats).
 
-Budget: a window of w steps is ordered once the budget has earned what it will
+Budget: a window of 16 steps is ordered once the budget has earned what it will
 cost (CPU of the audit replays, per audited step as measured so far, and the
 forks' time on the training path), against the job's wall time since its
 first step (less any time the audit was paused): at the default (0.5%) a short
@@ -52,7 +52,7 @@ DEFAULT_BUDGET = 0.005
 # What one audited step costs before any audit has measured it: a 4-step
 # window of the reference job measured 0.12-0.14 CPU-s, setup included.
 PRIOR_CPU_S_PER_STEP = 0.05
-MIN_STEPS, MAX_STEPS = 4, 16  # a window's length: setup amortised, detection not too late
+STEPS = 16  # a window's length: setup amortised, detection not too late
 LEAD = 2  # an order's fork is this many steps ahead: every rank has read it before reaching the step
 MAX_QUEUED = 4  # windows recorded and not yet replayed (each holds a fork): beyond, a gap
 
@@ -198,10 +198,12 @@ class Audit:
         if (paused or self.order is not None or self.pending >= MAX_QUEUED or rt.ctl.incident_seq > rt.handled_seq
                 or rt.exiting):
             return
+        # Whole windows only: a replay's setup (fork, window load, sandbox)
+        # costs about four steps' replay, so short windows buy less coverage.
         credit = self.budget * self.earned_s - self.cpu_s
         per_step = self.cpu_s / self.steps_audited if self.steps_audited else PRIOR_CPU_S_PER_STEP
-        w = min(MAX_STEPS, int(credit / per_step)) if per_step > 0 else MAX_STEPS
-        if w < MIN_STEPS:
+        w = STEPS
+        if credit < w * per_step:
             return
         # The last window's chain fork, if taken here at k, starts the window
         # now; else a fork LEAD steps ahead.

@@ -44,6 +44,7 @@ from .checksum import PARTS, ParamChecksum, ReducedGradNorm, object_sum, rng_dig
 from .collectives import computed_in_replay
 from .control import PAUSE_RUNTIME, Control, process_state
 from .nodes import NodeLayout, NodeLink
+from .preflight_probe import PreflightProbe
 from .samples import row_digests, without_rows
 from .stall import StallWatch, where_waiting
 from .straggler import StragglerWatch
@@ -132,6 +133,7 @@ class RankRuntime:
         self.fault_hooks: list = []   # drills only: (stage, fn); see watcher.runtime.inject
         self.link = None              # nodes.NodeLink on a multi-node job
         self.audit = None             # audit.Audit: the background SDC audit (live ranks only)
+        self.preflight = None         # preflight_probe.PreflightProbe under `watcher preflight`
         self.local_ranks = list(range(self.world))  # the global ranks on this node
         self.halt_margin = 1          # steps from detection to the halt
         self._forking_snapshot = False  # between ForkSnapshot.take's fork and its return (see _child_is_not_a_rank)
@@ -209,6 +211,8 @@ class RankRuntime:
         self.handled_seq = self.ctl.incident_seq
         if self.mode == "live":
             self.audit = Audit.from_env(self)
+            if os.environ.get("WATCHER_PREFLIGHT_STEPS"):
+                self.preflight = PreflightProbe(self, int(os.environ["WATCHER_PREFLIGHT_STEPS"]))
         self.watchdog = threading.Thread(target=self._watchdog, name="watcher-watchdog", daemon=True)
         self.watchdog.start()
         # A normal exit lets the snapshots go at once; after a crash they
@@ -304,6 +308,8 @@ class RankRuntime:
             self.batch_sums.append(object_sum(batch))
             if self.mode == "live":
                 self.seg.put(("batch", idx, batch), copy=True)  # the user may modify it in place
+                if idx == 0 and self.preflight is not None:
+                    self.preflight.first_batch(it, batch)
         except Exception as e:
             self.fail(e)
         self.own_ns += time.perf_counter_ns() - t0
@@ -534,6 +540,8 @@ class RankRuntime:
         self.flush_logs()
         if self.audit is not None and self.mode == "live":
             self.audit.step_ended(k)  # after this step's record: an audit's window may end here
+        if self.preflight is not None and self.mode == "live":
+            self.preflight.step_ended(k)  # after its last step, the rank exits here
         # This hook's work after the step's end timestamp (checksums, detection,
         # a snapshot's fork, logging) falls in the next step's duration.
         self.own_ns += time.perf_counter_ns() - self.fp_perf
