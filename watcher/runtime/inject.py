@@ -9,7 +9,8 @@ them again.
 
 Scenarios (all take "rank" and "step"):
   grad_bitflip      flip the top exponent bit (or bit `bit`: 23, the lowest, doubles or halves the value, which
-                    no detector sees) of one gradient element before its allreduce (transient)
+                    no detector sees) of one gradient element before its allreduce (transient); with `every`,
+                    again every that many steps (`just bench audit`: how soon the audit finds each)
   allreduce_corrupt flip the top exponent bit of one element of an allreduce output (transient)
   stall             sleep `seconds` before one collective (transient)
   lr_spike          multiply the learning rate by `factor` at `step` (persistent, params)
@@ -153,8 +154,17 @@ def _arm_one(rt, f: dict) -> None:
         return True
 
     if kind == "grad_bitflip":
+        every, flipped = f.get("every"), set()
+
+        def due(s: int) -> bool:
+            if every:  # again every `every` steps, each a transient of its own (live only)
+                return s >= step and (s - step) % every == 0 and s not in flipped
+            return s == step
+
         def hook(rt_, op, ins):
-            if op == "allreduce" and rt_.step + 1 == step and ins and once():
+            s = rt_.step + 1
+            if op == "allreduce" and ins and due(s) and rt_.mode == "live" and mine() and (every or once()):
+                flipped.add(s)
                 _flip_top_exponent_bit(ins[0], f.get("bit", 30))
         rt.fault_hooks.append(("collective_input", hook))
     elif kind == "allreduce_corrupt":
