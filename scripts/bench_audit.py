@@ -1,13 +1,12 @@
 """`just bench audit`: what the background SDC audit finds, and what it costs.
 
 1. Detection against budget: the reference job (2-rank DDP, gloo, CPU) at
-   default settings under --policy observe, one run per audit budget, with
-   one gradient element's lowest exponent bit flipped on rank 1 before its
-   allreduce every FLIP_EVERY steps, each a transient of its own (no detector
-   sees them: the replicas agree and the loss hardly moves).  Per budget: the
-   flips caught, the median steps and seconds from a flip to its incident,
-   the share of steps audited, the audits' CPU against the ranks' time.
-   (Recovery of a caught flip, bit-identical, is tests/test_audit.py's.)
+   default settings, one run per audit budget, with one gradient element's
+   lowest exponent bit flipped on rank 1 before its allreduce at step FLIP
+   (no detector sees it: the replicas agree and the loss hardly moves).  Per
+   budget: whether an audit caught it, the steps from corruption to the
+   incident, the share of steps audited, the audits' CPU against the ranks'
+   time, and whether the run ended bit-identical to one without the flip.
 2. Overhead at the default budget, side by side in one job: one long
    `watcher run` with the audit switched off and on in alternating windows
    (ABBA) through the control block's PAUSE_AUDIT bit (no audit is ordered
@@ -38,18 +37,18 @@ from bench_run import job, steps_ended  # noqa: E402
 
 from watcher.runtime.control import PAUSE_AUDIT, Control  # noqa: E402
 
-FLIP_EVERY = 100
+FLIP_STEP = 1200
 STEPS = 1800
 
 
 def detection(tmp: Path, budget: float) -> dict:
     out = tmp / f"flip-{budget:g}"
-    fault = {"scenario": "grad_bitflip", "rank": 1, "step": FLIP_EVERY, "every": FLIP_EVERY, "bit": 23}
+    fault = {"scenario": "grad_bitflip", "rank": 1, "step": FLIP_STEP, "bit": 23}
     code = ("import json, sys; from pathlib import Path; from watcher.run import RunConfig, run; "
             "a = json.loads(sys.argv[1]); "
             "r = run(RunConfig(cmd=a['cmd'], out=Path(a['out']), audit_budget=a['budget'], inject=a['fault'], "
-            "policy='observe', quiet=True)); sys.exit(r.exit_code)")
-    cmd = job(STEPS, tmp / f"t-{budget:g}")
+            "quiet=True)); sys.exit(r.exit_code)")
+    cmd = job(STEPS, tmp / f"t-{budget:g}") + [f"--save={out}.pt"]
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-c", code, json.dumps({"cmd": cmd, "out": str(out), "budget": budget,
                                                                  "fault": fault})],
@@ -57,19 +56,24 @@ def detection(tmp: Path, budget: float) -> dict:
     if p.returncode:
         raise SystemExit(f"watcher run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     incs = [json.loads(x.read_text()) for x in sorted((out / "incidents").glob("inc-*.json"))]
-    found = [i for i in incs if i["kind"] == "sdc" and (i.get("detail") or {}).get("found_by") == "audit"]
-    flips = list(range(FLIP_EVERY, STEPS, FLIP_EVERY))
-    caught = sorted({i["detected_step"] for i in found} & set(flips))
-    lat_steps = [i["detail"]["detected_after_steps"] for i in found if i["detected_step"] in flips]
-    lat_s = [i["detail"]["detected_after_s"] for i in found if i["detected_step"] in flips
-             and i["detail"].get("detected_after_s") is not None]
+    sdc = [i for i in incs if i["kind"] == "sdc"]
     audit = json.loads((out / "audit.json").read_text()) if (out / "audit.json").exists() else {}
-    return {"budget_pct": budget, "flips": len(flips), "caught": len(caught), "caught_steps": caught,
-            "latency_steps_median": statistics.median(lat_steps) if lat_steps else None,
-            "latency_s_median": statistics.median(lat_s) if lat_s else None,
+    found = sdc[0] if sdc else None
+    return {"budget_pct": budget, "caught": found is not None,
+            "detected_step": found and found["detected_step"],
+            "steps_to_detection": found and (found.get("detail") or {}).get("detected_after_steps"),
+            "classification": found and found.get("classification"), "recovered": found and found.get("recovered"),
+            "sha256": Path(f"{out}.pt.sha256").read_text().strip(),
             "audits": audit.get("audits", 0), "coverage": audit.get("coverage", 0.0),
             "cost_share": audit.get("cost_share"), "audit_cpu_s": audit.get("cpu_s"),
             "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def plain_sha(tmp: Path) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(job(STEPS, tmp / "t-plain") + [f"--save={tmp}/plain.pt"], check=True, cwd=ROOT, env=env,
+                   capture_output=True)
+    return (tmp / "plain.pt.sha256").read_text().strip()
 
 
 def overhead(tmp: Path, pairs: int, window_s: float, budget: float) -> dict:
@@ -131,19 +135,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="watcher-bench-audit-") as d:
         tmp = Path(d)
         if args.only != "overhead":
+            plain = plain_sha(tmp)
             out["detection"] = []
             for b in (float(x) for x in args.budgets.split(",")):
                 row = detection(tmp, b)
+                row["bit_identical"] = row.pop("sha256") == plain
                 out["detection"].append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
         if args.only != "detection":
             out["overhead"] = overhead(tmp, args.pairs, args.window, args.overhead_budget)
     rows = []
     for r in out.get("detection", []):
-        rows.append((f"budget {r['budget_pct']:g}%: flips caught", f"{r['caught']} of {r['flips']}",
-                     f"median {r['latency_steps_median']} steps / {r['latency_s_median']} s after the flip; "
+        rows.append((f"budget {r['budget_pct']:g}%: flip at step {FLIP_STEP}",
+                     f"{r['steps_to_detection']} steps" if r["caught"] else "missed",
                      f"coverage {100 * r['coverage']:.1f}%, {r['audits']} audits, audit CPU "
-                     f"{100 * (r['cost_share'] or 0):.2f}% of the ranks' time"))
+                     f"{100 * (r['cost_share'] or 0):.2f}% of the ranks' time, "
+                     f"{'recovered bit-identical' if r['bit_identical'] else 'run differs from plain'}"))
     o = out["overhead"]
     rows.append((f"budget {o.get('budget_pct', 0.5):g}%: steps/s off / on", f"{o['throughput_ratio_median']:.3f}",
                  f"median of {o['pairs']} pairs of {o['window_s']:g}-s windows, one job; {o['audit_lines']} "

@@ -67,16 +67,26 @@ class TwoNodes:
         return subprocess.Popen(cmd, env=env, cwd=ROOT, text=True,
                                 preexec_fn=lambda n=self.names[node]: netns.setns(n), **kwargs)
 
-    def run_both(self, cmds: list[list[str]], timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    def run_both(self, cmds: list[list[str]], timeout: float = 900, done=None,
+                 grace: float = 60.0) -> list[subprocess.CompletedProcess]:
         """Each command in its node's namespace, at once; their results.
         Output goes to files, not pipes: a rank its launcher left behind
         holds its copies of them and would keep a pipe open for ever.  Once
         a launcher has exited (or timed out), whatever is left in its node's
-        namespace is killed."""
+        namespace is killed.  With `done` (a callable), once it holds the
+        launchers get `grace` seconds more, then are stopped as at a timeout
+        (what the caller needed is there; how they failed to end is in
+        their stderr, with the stacks)."""
         with tempfile.TemporaryDirectory(prefix="watcher-nodes-") as d:
             files = [(open(Path(d) / f"out{i}", "w+"), open(Path(d) / f"err{i}", "w+")) for i in range(len(cmds))]
             procs = [self.start(i, cmd, stdout=files[i][0], stderr=files[i][1]) for i, cmd in enumerate(cmds)]
             deadline = time.monotonic() + timeout
+            if done is not None:
+                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                    if done():
+                        deadline = min(deadline, time.monotonic() + grace)
+                        break
+                    time.sleep(0.5)
             out = []
             for i, p in enumerate(procs):
                 try:

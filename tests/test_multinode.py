@@ -32,16 +32,22 @@ def nodes():
 
 @pytest.fixture(scope="module")
 def fault_free(nodes, tmp_path_factory) -> str:
-    """The parameters' digest of the job run without Watcher.  This plain
-    gloo job (no Watcher in it) takes ~10 s; it is given 4 minutes and one more
-    try, with the stacks of the first try's processes kept as a warning if it
-    hung: the baseline's own flakiness is not what these tests are about."""
+    """The parameters' digest of the job run without Watcher, written by
+    rank 0 once training is over.  This plain gloo job (no Watcher in it)
+    takes ~10 s; in the full suite its node 0 has been seen not to end after
+    the digest was written (its ranks past their last barrier): what it was
+    doing (py-spy stacks) is kept as a warning, and the digest is used.  The
+    baseline's own way of ending is not what these tests are about."""
     for attempt in (1, 2):
         d = tmp_path_factory.mktemp(f"plain2-{attempt}")
-        done = nodes.run_both([nodes.job(i, d / f"p{i}.pt") for i in (0, 1)], timeout=240)
-        if [p.returncode for p in done] == [0, 0]:
-            return (d / "p0.pt.sha256").read_text()
+        digest = d / "p0.pt.sha256"
+        done = nodes.run_both([nodes.job(i, d / f"p{i}.pt") for i in (0, 1)], timeout=240,
+                              done=lambda: digest.exists() and digest.stat().st_size > 0, grace=45)
         tails = "\n".join(f"node {i} (exit {p.returncode}):\n{p.stderr[-6000:]}" for i, p in enumerate(done))
+        if digest.exists() and digest.read_text().strip():
+            if [p.returncode for p in done] != [0, 0]:
+                warnings.warn(f"plain 2-node baseline wrote its digest but did not end:\n{tails}")
+            return digest.read_text()
         assert attempt == 1, tails
         warnings.warn(f"plain 2-node baseline failed once, retried:\n{tails}")
 

@@ -14,6 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from watcher.runtime.control import PAUSE_RECORDER, PAUSE_RUNTIME, Control
 
+from watcher.workloads.teardown import end_process_group
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -39,8 +41,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # barrier, then teardown without the gloo exit deadlock
 
 
 if __name__ == "__main__":

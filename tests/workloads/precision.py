@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
+from watcher.workloads.teardown import end_process_group
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -40,8 +42,7 @@ def main() -> None:
             dist.all_reduce(mean)
             opt.step()
             step += 1
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # barrier, then teardown without the gloo exit deadlock
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ them again.
 Scenarios (all take "rank" and "step"):
   grad_bitflip      flip the top exponent bit (or bit `bit`: 23, the lowest, doubles or halves the value, which
                     no detector sees) of one gradient element before its allreduce (transient); with `every`,
-                    again every that many steps (`just bench audit`: how soon the audit finds each)
+                    again every that many steps, each a transient of its own
   allreduce_corrupt flip the top exponent bit of one element of an allreduce output (transient)
   stall             sleep `seconds` before one collective (transient)
   lr_spike          multiply the learning rate by `factor` at `step` (persistent, params)

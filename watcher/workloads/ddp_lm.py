@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from watcher.workloads.teardown import end_process_group
+
 VOCAB = 256
 SEQ_LEN = 64
 D_MODEL = 96
@@ -206,8 +208,7 @@ def main(argv=None) -> int:
     if distributed:
         # Keep other ranks alive until rank 0 has written its files, so a
         # launcher seeing all ranks exit can trust the outputs are complete.
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_group()
     return 0
 
 
