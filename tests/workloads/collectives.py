@@ -18,8 +18,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from watcher.workloads.teardown import end_process_group
-
 
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "normal"
@@ -39,7 +37,8 @@ def main() -> None:
     out = [torch.zeros(1000) for _ in range(2)]
     for _ in range(2):
         dist.all_gather(out, t)
-    end_process_group()  # barrier, then teardown without the gloo exit deadlock
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
