@@ -30,8 +30,17 @@ def reference(save: Path, steps: int = STEPS) -> list[str]:
 
 
 def plain(cmd: list[str], tmp: Path) -> None:
+    """A baseline run without Watcher.  Torch's own gloo teardown can abort a
+    plain process at interpreter exit (a gloo thread taking the GIL while the
+    interpreter finalizes: SIGABRT, seen once in a Lightning baseline in the
+    full suite), after its outputs are written: a baseline killed by a signal
+    gets one more try, as it is not what these tests are about."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp, env=env, timeout=300)
+    p = subprocess.run(cmd, capture_output=True, cwd=tmp, env=env, timeout=300)
+    if p.returncode < 0:
+        p = subprocess.run(cmd, capture_output=True, cwd=tmp, env=env, timeout=300)
+    if p.returncode:
+        raise subprocess.CalledProcessError(p.returncode, cmd, p.stdout, p.stderr)
 
 
 @pytest.fixture(scope="module")
