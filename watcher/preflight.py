@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
@@ -74,7 +74,6 @@ class PreflightReport:
     wall_s: float
     job_exit: int | None
     output_tail: str = ""
-    extra: dict = field(default_factory=dict)
 
     @property
     def failed(self) -> list[Finding]:

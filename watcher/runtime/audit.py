@@ -150,7 +150,8 @@ class Audit:
         if self.order is not None:
             self._abandon(self.order[0], "an incident was handled meanwhile")
             self.order = None
-        for k in [k for k in self.forks if k not in self._in_use()]:
+        in_use = self._in_use()
+        for k in [k for k in self.forks if k not in in_use]:
             self.forks.pop(k).release()
 
     # -- at each step end (training thread) ---------------------------------------------------
@@ -212,7 +213,8 @@ class Audit:
         rt.ctl.order_audit(a, a + w, chain)
 
     def _drop_unused(self, k: int) -> None:
-        for s in [s for s in self.forks if s not in self._in_use() and s < k]:
+        in_use = self._in_use()
+        for s in [s for s in self.forks if s not in in_use and s < k]:
             self.forks.pop(s).release()
 
     def _in_use(self) -> set[int]:
