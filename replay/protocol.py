@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import health
 from ..incident import Incident, load_incident, save_incident
 from ..rundir import IncidentDir, exchange_dir
 from ..runtime.seam import Rank
@@ -156,7 +157,21 @@ def _go_on(rt: Rank, info: dict, plan: dict, inc_dir, result_dir, verdict: Incid
                 + (f" ({verdict.transient_cause})" if verdict.transient_cause else ""))
     if verdict and verdict.classification == "transient" and acting and info["kind"] != "replay_check":
         recovered = recover(rt, info, plan, t_halt, result_dir or inc_dir)
-    if verdict and verdict.classification == "persistent" and acting and info["kind"] in DIAGNOSED:
+    recurring = verdict is not None and bool((verdict.escalated or {}).get("device"))
+    if recurring and verdict.classification == "persistent" and acting:
+        # Attributed by recurrence on one device (health.py): this window
+        # replayed clean, so under --policy apply its state is merged and the
+        # rank moves off the device; no counterfactual would show more.
+        p = verdict.prescription or {}
+        if rt.policy == "apply" and p.get("action") == "quarantine_device" and p.get("move_to"):
+            recovered = recover(rt, info, plan, t_halt, result_dir or inc_dir)
+            if recovered:
+                rt.apply_prescription(p, iid)
+                if rt.rank == 0:
+                    done = load_incident(rt.rundir, iid)
+                    done.prescription = dict(p, applied=True, applied_at_step=rt.step + 1)
+                    save_incident(rt.rundir, done)
+    elif verdict and verdict.classification == "persistent" and acting and info["kind"] in DIAGNOSED:
         recovered = diagnose_and_apply(rt, info, plan, inc_dir, t_halt)
     if verdict and verdict.classification == "persistent":
         # Keep the frozen snapshot out of rotation for diagnosis: the one
@@ -175,8 +190,14 @@ def _go_on(rt: Rank, info: dict, plan: dict, inc_dir, result_dir, verdict: Incid
 
 
 def _close(rt: Rank, inc_dir: IncidentDir, iid: str) -> None:
-    """On many nodes: once rank 0 has written the incident for the last time,
-    every other node's leader copies it into its own run directory."""
+    """The incident's last word: rank 0 enters it in the device health ledger
+    (health.py).  On many nodes: once rank 0 has written the incident for the
+    last time, every other node's leader copies it into its own run directory."""
+    if rt.rank == 0:
+        try:
+            note_health(rt, load_incident(rt.rundir, iid).to_dict())
+        except Exception as e:  # the ledger never stops the job
+            print(f"watcher: rank 0: incident {iid} not entered in the health ledger: {e}", file=sys.stderr)
     if rt.rundir.shared is None:
         return
     if rt.rank == 0:
@@ -194,3 +215,20 @@ def _close(rt: Rank, inc_dir: IncidentDir, iid: str) -> None:
     for d in Path(rt.window_dir).glob(f"exchange-{iid}*"):
         remove_tree(d)
     forget_published(rt, iid)
+
+
+def note_health(rt: Rank, inc: dict) -> None:
+    """Failures pinned on a device go into the ledger; a device attributed
+    hardware is quarantined on the node when the policy acted on it."""
+    ledger = health.Ledger.for_run(rt.rundir.root)
+    run = str(rt.rundir.root)
+    for ev in health.incident_events(inc, run, rt.rundir.read_steps):
+        ledger.add(ev)
+    p = inc.get("prescription") or {}
+    if p.get("node_unusable"):
+        ledger.quarantine(p["device"]["id"], p.get("reason", ""), inc["incident_id"], run)  # the breaker: marks the node
+    elif p.get("action") == "quarantine_device" and p.get("applied"):
+        d = p["device"]
+        for dev in [d["id"]] if d.get("id") else [health.cpu_device(c, d.get("host")) for c in d.get("cpus") or []]:
+            ledger.quarantine(dev, (inc.get("attribution") or {}).get("evidence") or "hardware", inc["incident_id"],
+                              run)

@@ -15,6 +15,7 @@ import copy
 import math
 import signal
 
+from .. import health
 from ..incident import Incident
 from ..rundir import ReplayDir, read_json
 from ..runtime import crashsite
@@ -87,7 +88,29 @@ def decide(rt: Rank, info: dict, plan: dict, out: ReplayDir, log: JobLog,
     verdict.update(classification="transient", track="A", transient_cause=cause)
     suspect = div["rank"] if div else stall["rank"] if stall else None
     repeats = earlier_transients(rt, suspect, info["failing_step"]) if suspect is not None else []
-    if len(repeats) + 1 >= rt.detectors.transient_limit:
+    # The device the divergence ran on, and how often it failed before (this
+    # run, and every run on the node with --health-dir): health.py.
+    device = health.step_device(rt.rundir.read_steps(div["rank"]), div["step"]) if div else None
+    if div is not None:
+        div["device"] = device
+    ledger = health.Ledger.for_run(rt.rundir.root)
+    recurring = health.repeat_verdict(ledger, device, info["incident_id"], str(rt.rundir.root)) if device else None
+    if recurring:
+        # Each failure replayed clean, but they keep landing on one device.
+        prescription = health.quarantine_prescription(ledger, device, suspect)
+        verdict.update(classification="persistent", track="B", transient_cause=None,
+                       escalated=dict(recurring, rank=suspect),
+                       attribution={"cause": "hardware", "confidence": 0.8, "evidence": recurring["reason"]},
+                       causal_chain=[{"kind": "device", "step": div["step"], "rank": suspect, "module": None,
+                                      "op": None, "collective": div.get("collective"), "device": device,
+                                      "evidence": recurring["reason"] + "; this one: rank "
+                                      f"{suspect}'s {div['where']} at step {div['step']} departed from the "
+                                      "record and its replay was clean"}],
+                       prescription=prescription,
+                       snapshot={"from_step": plan["from_step"], "retained": True})
+        # The replay was clean: its state can still replace the live one (under --policy apply).
+        verdict.recovery = recoverable(rt, plan, results, log)
+    elif len(repeats) + 1 >= rt.detectors.transient_limit:
         # The same rank keeps failing: not bad luck but a bad device.
         verdict.update(classification="persistent", track="B", transient_cause=None,
                        escalated={"rank": suspect, "transients": repeats + [info["incident_id"]],

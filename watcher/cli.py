@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from .errors import UsageError, WatcherError
+from .errors import RecordingError, UsageError, WatcherError
 
 # Imports inside functions: each command imports the modules it runs inside its
 # own function, not here: `watcher --help`, `watcher sql` and the other
@@ -283,6 +283,9 @@ def run(
                                  "`watcher diagnose` (0: none; `watcher release` frees them sooner)."),
     preflight: bool = typer.Option(False, "--preflight", help="First try the job for a few steps (`watcher preflight`); "
                                    "launch only if nothing would fail."),
+    health_dir: Optional[str] = typer.Option(None, "--health-dir", help="The node's device health ledger, shared by "
+                                             "every run on the node: failures count across jobs, quarantined cores "
+                                             "are left out of the launch, a node marked unusable refuses it (exit 8)."),
 ):
     """Run a training command with recording, in-rank capture, snapshots, detectors and replay."""
     from .run import RunConfig, parse_detect, run as run_job
@@ -299,7 +302,7 @@ def run(
     cfg = RunConfig(cmd=list(cmd), out=Path(out) if out else Path(f"watcher-run-{time.strftime('%Y%m%d-%H%M%S')}"),
                     policy=policy, snapshot_budget=snapshot_budget, snapshot_interval=snapshot_interval,
                     copy_interval=copy_interval, detect=parse_detect(detect), replay_check=replay_check, retain_s=retain,
-                    audit_budget=audit_budget)
+                    audit_budget=audit_budget, health_dir=Path(health_dir) if health_dir else None)
     result = run_job(cfg)
     print(f"Run directory {result.out}: {result.steps} steps recorded, {len(result.incidents)} incident(s). "
           f"Query: watcher sql {result.recording} \"SELECT * FROM step\"", file=sys.stderr)
@@ -356,6 +359,43 @@ def schema(markdown: bool = typer.Option(True, help="Print docs/schema.md.")):
     from .schema import markdown as md
 
     sys.stdout.write(md())
+
+
+@app.command(epilog="Examples:\n\n  watcher health --health-dir /var/lib/watcher/health\n\n"
+                    "  watcher health run1\n\n"
+                    "  watcher health --health-dir /var/lib/watcher/health --gate   (in a Slurm prolog: exit 8 drains the node)\n\n"
+                    "  watcher health --health-dir /var/lib/watcher/health --clear cpu3@node7")
+def health(
+    run_dir: Optional[str] = typer.Argument(None, help="A run directory (its own ledger); default: the node's, --health-dir."),
+    health_dir: Optional[str] = typer.Option(None, "--health-dir", help="The node's health directory (as given to `watcher run --health-dir`)."),
+    gate: bool = typer.Option(False, "--gate", help="Exit 8 when the node is marked unusable (for launch hooks)."),
+    clear: Optional[str] = typer.Option(None, "--clear", help="Take a device (or 'all') off the node's quarantine, once repaired; also clears the unusable mark."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+):
+    """The device health ledger: failures pinned on each device, signals, the quarantine list, the breaker."""
+    from . import health as h
+    from .errors import NodeUnusable
+    from .rundir import RunDir
+
+    if (run_dir is None) == (health_dir is None):
+        raise UsageError("give a run directory or --health-dir (one of them)")
+    if clear is not None and health_dir is None:
+        raise UsageError("--clear acts on a node's ledger: give --health-dir")
+    if run_dir is not None:
+        if not RunDir(Path(run_dir)).manifest.exists():
+            raise RecordingError(f"{run_dir} is not a watcher run directory (no manifest)")
+        ledger, where = h.Ledger(Path(run_dir)), run_dir
+    else:
+        if not Path(health_dir).is_dir():
+            raise UsageError(f"{health_dir}: no such health directory")
+        ledger, where = h.Ledger(None, Path(health_dir)), f"this node ({health_dir})"
+    if clear is not None:
+        gone = h.clear(ledger, clear)
+        print(f"cleared: {', '.join(gone)}" if gone else f"nothing to clear for {clear}", file=sys.stderr)
+    s = h.summary(ledger)
+    print(json.dumps(s, indent=1, default=str) if as_json else h.describe(s, where))
+    if gate and s["unusable"]:
+        raise NodeUnusable(f"node unusable: {s['unusable'].get('reason')}")
 
 
 @app.command()

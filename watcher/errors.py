@@ -34,3 +34,8 @@ class RecordingError(WatcherError):
 class QueryError(WatcherError):
     """A SQL error."""
     exit_code = 7
+
+
+class NodeUnusable(WatcherError):
+    """The node's health breaker tripped (watcher/health.py): no job should launch here."""
+    exit_code = 8

@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from . import health
 from .errors import PermissionProblem
 from .privileges import require_bpf_privileges
 
@@ -119,17 +120,17 @@ def _libraries(pid: int | None) -> list[Check]:
 
 
 def _gpus() -> Check:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        n = pynvml.nvmlDeviceGetCount()
-        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(n)]
-        pynvml.nvmlShutdown()
-        return Check("gpus", "ok", f"{n} visible through NVML: {', '.join(map(str, names))}")
-    except Exception as e:
-        return Check("gpus", "warn", f"none visible through NVML ({type(e).__name__})",
+    """What NVML says of each GPU's health (health.py's thresholds); absent NVML is a fact, not an error."""
+    devs = health.nvml_devices()
+    if devs is None:
+        return Check("gpus", "warn", "NVML not available: no NVIDIA driver (device health from CPU cores only)",
                      "fine on a CPU-only machine; otherwise install the NVIDIA driver")
+    bad = {d["index"]: health.bad_signals(d) for d in devs}
+    text = "; ".join(f"GPU {d['index']} {d['name']} ({d['uuid']}): "
+                     + (", ".join(bad[d["index"]]) or "healthy") for d in devs) or "0 GPUs"
+    if any(bad.values()):
+        return Check("gpus", "fail", text, "drain the GPUs named (watcher health lists the node's quarantine)")
+    return Check("gpus", "ok", f"{len(devs)} visible through NVML: {text}")
 
 
 def run_checks(pid: int | None = None) -> list[Check]:

@@ -28,7 +28,8 @@ from pathlib import Path
 from .analysis.detectors import Detectors
 from .analysis.incidents import analyze_hang
 from .crash import crash_incident
-from .errors import RecordingError, UsageError
+from . import health
+from .errors import NodeUnusable, RecordingError, UsageError
 from .incident import Incident, load_incidents, save_incident
 from .privileges import require_bcc, require_bpf_privileges
 from .rank_deaths import RankDeaths
@@ -58,6 +59,7 @@ class RunConfig:
     replay_check: int | None = None     # replay the window ending at this step, healthy or not
     retain_s: float = 300.0             # a persistent incident's snapshots outlive the run this long
     audit_budget: float = 0.5           # percent of the job's time the background SDC audit may use; 0 is off
+    health_dir: Path | None = None      # the node's device health ledger (health.py); None: this run's only
     quiet: bool = False
 
     def validate(self) -> None:
@@ -86,6 +88,10 @@ class RunConfig:
         env["WATCHER_SNAPSHOT_BUDGET"] = str(self.snapshot_budget)
         env["WATCHER_AUDIT_BUDGET"] = str(self.audit_budget / 100)
         env["WATCHER_RETAIN_S"] = str(self.retain_s)
+        if self.health_dir is not None:
+            env[health.NODE_DIR_ENV] = str(Path(self.health_dir).resolve())
+        else:
+            env.pop(health.NODE_DIR_ENV, None)
         if self.snapshot_interval:
             env["WATCHER_SNAPSHOT_INTERVAL"] = str(self.snapshot_interval)
         if self.copy_interval is not None:
@@ -149,6 +155,11 @@ def run(cfg: RunConfig) -> RunResult:
     require_bpf_privileges()
     if cfg.out.exists():
         raise RecordingError(f"{cfg.out} already exists; choose another --out or remove it")
+    node = health.Ledger(None, cfg.health_dir) if cfg.health_dir is not None else None
+    if node is not None and node.unusable_file.exists():
+        why = read_json(node.unusable_file).get("reason", "")
+        raise NodeUnusable(f"this node is marked unusable ({node.unusable_file}): {why}; "
+                           f"`watcher health --health-dir {cfg.health_dir} --clear` once it is repaired")
     run_dir = RunDir(cfg.out)
     try:
         run_dir.create(cfg.cmd)
@@ -167,13 +178,19 @@ def run(cfg: RunConfig) -> RunResult:
     env["WATCHER_WINDOW_DIR"] = str(window_dir)
     deaths = RankDeaths(run_dir, ctl).start()  # so no rank waits for a dead peer
     t_job = time.monotonic()
+    ledger = health.Ledger(run_dir.root, cfg.health_dir)
+    signals_at_start = _health_signals(ledger, run_dir, None)
+    was_on = _off_quarantined_cores(ledger, cfg.quiet)
     try:
         try:
             result = session.record(list(cfg.cmd), env=env)
         finally:
+            if was_on is not None:
+                os.sched_setaffinity(0, was_on)
             deaths.stop()
             if status:
                 status.stop()
+        _health_signals(ledger, run_dir, signals_at_start)
         crash_incident(run_dir)
         _unfinished_incidents(run_dir)
         incidents = ingest(run_dir)
@@ -192,6 +209,34 @@ def run(cfg: RunConfig) -> RunResult:
             print(describe(inc), file=sys.stderr)
     _reap_orphans()
     return RunResult(cfg.out, code, incidents, steps, audit)
+
+
+def _off_quarantined_cores(ledger: health.Ledger, quiet: bool) -> set[int] | None:
+    """Launch the job off the cores the node quarantined (the ranks inherit
+    this thread's CPU set); the set to restore, or None if nothing changed."""
+    here = os.uname().nodename
+    bad = {x[0] for q in ledger.quarantined() if (x := health.parse_cpu_device(q)) and x[1] == here}
+    now = set(os.sched_getaffinity(0))
+    keep = now - bad
+    if not bad & now or not keep:
+        return None
+    os.sched_setaffinity(0, keep)
+    if not quiet:
+        print(f"watcher: launching on CPUs {sorted(keep)}: CPUs {sorted(bad & now)} are quarantined on this node "
+              f"({ledger.quarantine_file})", file=sys.stderr)
+    return now
+
+
+def _health_signals(ledger: health.Ledger, run_dir: RunDir, before: dict | None) -> dict | None:
+    """The node's device signals (NVML, EDAC) into the ledger at the run's start and end."""
+    try:
+        events, state = health.signal_events(str(run_dir.root), before)
+        for ev in events:
+            ledger.add(ev)
+        return state
+    except Exception as e:  # health signals never stop a run
+        print(f"watcher: device health signals not read: {e}", file=sys.stderr)
+        return None
 
 
 def audit_summary(run_dir: RunDir, steps: int, job_s: float) -> dict | None:
@@ -403,7 +448,10 @@ def ingest(run_dir: RunDir) -> list[dict]:
     audit_rows = [(e["rank"], e["audit"], e.get("from_step"), e.get("to_step"), e["status"], e.get("steps"),
                    json.dumps(e["mismatched_steps"]) if e.get("mismatched_steps") else None, e.get("cpu_s"),
                    e.get("wall_s"), e.get("error"), e.get("ts")) for e in read_audit_logs(run_dir)]
+    health_rows = [(e.get("ts"), e["kind"], e.get("device"), e.get("rank"), e.get("step"), e.get("incident_id"),
+                    json.dumps(e.get("detail"), default=str) if e.get("detail") is not None else None)
+                   for e in health.read_events(run_dir.health_log)]
     write_run_tables(run_dir.recording, {"step": step_rows, "collective_io": coll_rows, "incident": inc_rows,
                                          "sandbox_event": sandbox_rows, "causal_link": chain_rows,
-                                         "protection": off_rows, "audit": audit_rows})
+                                         "protection": off_rows, "audit": audit_rows, "health_event": health_rows})
     return incidents

@@ -25,6 +25,7 @@ the ranks, the replays, the launcher side and the readers all go through
     DIR/retained/rank<r>.json            a snapshot kept after the run for `watcher diagnose`
     DIR/retained/window/, orders/rank<r>/  its window and the orders it takes
     DIR/quarantine.json                  devices the run stopped using
+    DIR/health.jsonl                     the run's device health ledger (watcher/health.py)
 
 A ReplayDir holds, per rank: arrive.rank<r>.json (what it holds at the halt),
 replayed.rank<r>.json (how its replay ended), rank<r>.result.pt (the replay's
@@ -199,6 +200,7 @@ class RunDir:
         self.incidents = self.root / "incidents"
         self.retained = self.root / "retained"
         self.quarantine = self.root / "quarantine.json"
+        self.health_log = self.root / "health.jsonl"
         self.manifest = self.root / "run.json"
 
     def __str__(self) -> str:

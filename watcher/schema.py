@@ -317,6 +317,18 @@ TABLES: tuple[Table, ...] = (
         C("error", "VARCHAR", "Why it failed or was skipped."),
         C("unix_time", "DOUBLE", "When it ended (Unix time, s)."),
     )),
+    Table("health_event", "The device health ledger of a `watcher run` job (watcher/health.py; DIR/health.jsonl): "
+          "health signals read from each device and every failure pinned on one.", (
+        C("unix_time", "DOUBLE", "When (Unix time, s)."),
+        C("kind", "VARCHAR", "failure (an incident pinned on the device), quarantine (taken out of use, or refused "
+                             "by the breaker: detail.refused), signal (NVML or EDAC counters; detail.bad lists what "
+                             "is past a threshold)."),
+        C("device", "VARCHAR", "cpu<N>@<host> (a core), gpu-<uuid>, or memory@<host> (EDAC)."),
+        C("rank", "INTEGER", "Global rank that ran on the device, for a failure."),
+        C("step", "INTEGER", "The step that failed there."),
+        C("incident_id", "VARCHAR", "The incident, for a failure or a quarantine."),
+        C("detail", "VARCHAR", "JSON: the incident's kind, classification and cause; the counters of a signal."),
+    )),
     Table("prune", "Data removed to respect --max-size or --ring-minutes; what is missing, never silently.", (
         C("ts", TS, "When the prune happened."),
         C("table_name", "VARCHAR", "Table rows were removed from."),

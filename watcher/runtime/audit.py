@@ -43,6 +43,7 @@ import time
 
 import torch
 
+from ..health import step_device
 from ..replay.exchange import end_for
 from ..rundir import exchange_dir
 from .control import PAUSE_AUDIT
@@ -313,10 +314,11 @@ class Audit:
         failing = min(entry.get("mismatched_steps") or [div.get("step", b)])
         last = max(rt.ctl.latest_step(r) for r in range(rt.world))
         now = time.monotonic_ns()
-        try:  # when the corrupted step ended, for the time to detection
-            ended = rt.rundir.read_steps(rt.rank, since=failing).get(failing, {}).get("ts")
+        try:  # when the corrupted step ended (for the time to detection), and on which core
+            steps = rt.rundir.read_steps(rt.rank, since=failing)
         except OSError:
-            ended = None
+            steps = {}
+        ended = steps.get(failing, {}).get("ts")
         opened = rt.open_incident({
             "kind": "sdc", "rank": rt.rank, "failing_step": failing,
             # Two steps past the furthest rank: every rank sees it before finishing the halt step.
@@ -325,7 +327,7 @@ class Audit:
                        "first_divergence": div or None, "mismatched_steps": entry.get("mismatched_steps"),
                        "detected_after_steps": last - failing,
                        "detected_after_s": round((now - ended) / 1e9, 3) if ended else None,
-                       "device": this_device()}})
+                       "device": this_device(), "device_id": step_device(steps, failing)}})
         if opened is None:
             self.found = None  # another incident is open; this audit's finding stays in its log
 

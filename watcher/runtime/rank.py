@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import dataloader
 
 from ..analysis.detectors import Detectors
+from ..health import cpu_now
 from ..replay.protocol import handle_incident
 from ..replay.snapshot import ForkSnapshot, SnapshotPolicy
 from ..replay.state_copy import CopyPolicy, StateCopies
@@ -50,6 +51,8 @@ from .stall import StallWatch, where_waiting
 from .straggler import StragglerWatch
 from .training import optimizer_params, scan_training_objects
 from .window import END_OF_DATA, SegmentWriter, segment_paths, segment_step
+
+HOST = os.uname().nodename
 
 # A hang whose halt step no rank reaches is handled by the watchdog after this
 # long without progress past seeing it (the hang limit, within these bounds).
@@ -467,12 +470,15 @@ class RankRuntime:
                 "dur": now - self.last_end_ns if self.last_end_ns else None,
                 "loss": loss, "grad_norm": gn, "param_sum": self.param_sum(params, k % PARTS),
                 "batch_sum": _combine(bsums), "rng": rng_digest(), "n_coll": len(colls),
-                "_colls": colls}
+                # The core the step ended on: the device a failure of this step is pinned on (health.py).
+                "cpu": cpu_now(), "_colls": colls}
 
     def step_end(self) -> None:
         fp = self.fingerprint()
         k = fp["step"]
         colls = fp.pop("_colls")
+        if self.link is not None:
+            fp["host"] = HOST  # the ledger names a core with its host (health.py)
         if self.last_end_ns is not None:
             self.step_ns.append(fp["ts"] - self.last_end_ns)
             if len(self.step_ns) > 64:
@@ -772,7 +778,8 @@ class RankRuntime:
         while not self.disabled and self.mode == "live":
             time.sleep(0.25)
             try:
-                if self.last_end_ns is None or not self.step_ns:
+                last_end = self.last_end_ns  # read once: the training thread resets it after a recovery
+                if last_end is None or not self.step_ns:
                     continue
                 seq = self.ctl.incident_seq
                 if seq > self.handled_seq and self.ctl.incident(seq).get("resolved"):
@@ -780,7 +787,7 @@ class RankRuntime:
                 median_s = sorted(self.step_ns)[len(self.step_ns) // 2] / 1e9
                 limit = self.detectors.hang_limit_s(median_s)
                 now = time.monotonic_ns()
-                stalled = (now - self.last_end_ns) / 1e9
+                stalled = (now - last_end) / 1e9
                 if not self.exiting and self.ctl.incident_seq == self.handled_seq:
                     self.stalls.check(now, median_s)
                 # A long evaluation or checkpoint between steps is not a hang;
