@@ -110,6 +110,11 @@ def plan_counterfactuals(rt, info: dict, plan: dict, trace: list[dict]) -> list[
     if bad_ranks:
         out.append({"name": "drop_rows", "drop_rows": {"step": k, "rows": {
             str(r): sorted({a["sample"] for a in anomalous[r]}) for r in bad_ranks}}})
+    elif (rows := _spoiled_rows(trace, k)) is not None:
+        # Nothing odd in the data itself, but the first bad op went bad in
+        # some samples' rows only: the window without them says whether
+        # those samples trigger it (a bug the data sets off).
+        out.append({"name": "drop_rows", "drop_rows": {"step": k, "rows": rows}})
     steps = trace[0].get("steps") or {}
     lrs = [(s, steps[s].get("lr")) for s in sorted(steps) if steps[s].get("lr")]
     rose = lrs and any(max(lr) > max(lrs[0][1]) for _, lr in lrs)
@@ -124,6 +129,20 @@ def plan_counterfactuals(rt, info: dict, plan: dict, trace: list[dict]) -> list[
         out.append({"name": "other_cores", "cpus": cpus})
     out.append({"name": "float64", "float64": True})
     return out
+
+
+def _spoiled_rows(trace: list[dict], k: int) -> dict | None:
+    """{rank: rows} when the first non-finite op ran forward at step k, from
+    finite inputs, and spoiled only some rows of a batch-shaped output."""
+    origin = _origin(trace)
+    if not origin or not origin.get("nonfinite") or not origin.get("inputs_finite") or origin["step"] != k \
+            or origin.get("phase") != "forward":
+        return None
+    r = origin["rank"]
+    rows, n = origin.get("bad_rows") or [], len(trace[r].get("row_digests") or [])
+    if not rows or not n or origin["shape"][:1] != [n] or len(rows) >= n:
+        return None
+    return {str(r): rows}
 
 
 def _other_cores(rt: Rank) -> dict:
@@ -181,12 +200,12 @@ def conclude(rt, info: dict, plan: dict, results: dict, variants: dict, repro_di
     trace = results["trace"]
     origin = _origin(trace)
     anomalies = {r: res.get("batch_anomalies") or [] for r, res in enumerate(trace)}
-    cause, confidence, root, prescription, apply = _attribute(rt, info, plan, outcomes, trace, origin, anomalies,
-                                                              variants)
+    cause, confidence, root, prescription, apply, *trigger = _attribute(rt, info, plan, outcomes, trace, origin,
+                                                                         anomalies, variants)
     symptoms = _symptoms(info, trace, origin)
     if root and root["kind"] == "op":  # the culprit op is the root itself
         symptoms = [link for link in symptoms if link["kind"] != "op"]
-    chain = ([root] if root else []) + symptoms
+    chain = ([root] if root else []) + trigger + symptoms
     if cause in ("software", "hardware") and origin and trace[origin["rank"]].get("trace", {}).get("culprit_inputs"):
         path = write_reproducer(repro_dir, info, origin, trace[origin["rank"]]["trace"]["culprit_inputs"], cause)
         prescription["reproducer"] = str(path)
@@ -233,6 +252,10 @@ def _attribute(rt, info, plan, outcomes, trace, origin, anomalies, variants):
                 "evidence": f"{ev}; without them ({used}) the window replays clean"}
         return ("data", 0.95 if used == "drop_rows" else 0.8, root,
                 {"action": "skip_batch", "batches": batches, "verified_by": used, "applied": False}, used)
+    # Clean without the samples, and not a float32 precision failure (clean in float64: below).
+    if not bad and "drop_rows" in ok and "float64" not in ok and origin and origin.get("nonfinite") \
+            and origin.get("inputs_finite"):
+        return _data_triggered(k, origin, trace, variants["drop_rows"]["drop_rows"]["rows"])
     if "other_cores" in ok:
         moved = variants["other_cores"]["cpus"]
         r = int(min(moved))
@@ -253,8 +276,9 @@ def _attribute(rt, info, plan, outcomes, trace, origin, anomalies, variants):
             base = lr_seq[0][1] if lr_seq else None
             target = [x * v["lr_factor"] for x in base] if base else None
             change = [{"param_group": i, "name": "lr", "to": t} for i, t in enumerate(target or [])]
-            rise = next(((s, lr) for s, lr in lr_seq if base and max(lr) > max(base)), None)
-            ev = (f"learning rate rose from {max(base):g} to {max(rise[1]):g} at step {rise[0]}" if rise
+            rise = _lr_jump(lr_seq)
+            ev = (f"learning rate jumped from {rise[2]:g} to {max(rise[1]):g} at step {rise[0]} ({_times(rise[3])} in "
+                  f"one step" + (f"; before it, at most {_times(rise[4])} a step" if rise[4] else "") + ")" if rise
                   else f"training at learning rate {max(base):g} is unstable here") if base else "learning rate"
             root = {"kind": "hyperparameter", "step": rise[0] if rise else k, "rank": None, "module": None, "op": None,
                     "collective": None, "evidence": f"{ev}; replayed with lr {max(target):g} the window is clean"}
@@ -285,6 +309,59 @@ def _attribute(rt, info, plan, outcomes, trace, origin, anomalies, variants):
                 "evidence": what + (f"; it fails as well {', '.join(failing)}" if failing else "")}
         return "software", 0.8 if finite else 0.6, root, prescription, None
     return ("unknown", 0.0, None, {"action": "none", "reason": "no counterfactual isolated the cause"}, None)
+
+
+def _times(r: float) -> str:
+    return f"{r:.0f}x" if r >= 10 else f"{r:.3g}x"
+
+
+def _lr_jump(lr_seq: list[tuple[int, list[float]]]) -> tuple | None:
+    """The step where the learning rate rose most in one step (a warm-up's
+    gentle climb is not the jump that broke the run): (step, lrs, lr before,
+    that step's ratio, the largest ratio before it), or None if it never rose."""
+    ratios = [(s, lr, max(prev), max(lr) / max(prev)) for (_, prev), (s, lr) in zip(lr_seq, lr_seq[1:])
+              if max(prev) > 0]
+    rises = [x for x in ratios if x[3] > 1]
+    if not rises:
+        return None
+    s, lr, before, ratio = max(rises, key=lambda x: x[3])
+    earlier = [x[3] for x in rises if x[0] < s]
+    return s, lr, before, ratio, max(earlier) if earlier else None
+
+
+_GUARDS = {"div": "guard the division against a zero denominator (clamp it, e.g. count.clamp(min=1), or mask "
+                  "the result)",
+           "log": "guard the log against zero or negative inputs (clamp to a small positive value)",
+           "sqrt": "guard the sqrt against negative inputs, and its gradient at zero (add an epsilon)",
+           "rsqrt": "guard the rsqrt against zero (add an epsilon)",
+           "pow": "guard the power against zero bases with negative exponents"}
+
+
+def _data_triggered(k: int, origin: dict, trace: list[dict], rows: dict) -> tuple:
+    """A software bug the data sets off: an op turned finite inputs into
+    non-finite values in a few samples' rows only, and the window without
+    those samples is clean.  The op is the cause; the samples its trigger."""
+    batches = [{"rank": int(r), "step": k, "batch_index": trace[int(r)].get("batch_index"), "samples": rs,
+                "digests": [trace[int(r)]["row_digests"][i] for i in rs]} for r, rs in sorted(rows.items())]
+    line = origin.get("line") or {}
+    at = f"{os.path.basename(line['file'])}:{line['line']} ({line['source']})" if line else "its Python line unknown"
+    where = f"in {origin['module']}" if origin.get("module") else "outside any module"
+    samples = "; ".join(f"rank {b['rank']} samples {b['samples']}" for b in batches)
+    root = {"kind": "op", "step": origin["step"], "rank": origin["rank"], "module": origin["module"] or None,
+            "op": origin["op"], "collective": None, "line": line or None,
+            "evidence": f"{origin['op']} {where} at {at} turned finite inputs into {origin['nonfinite']} non-finite "
+                        f"value(s), in the rows of {samples} only; without those samples the window replays clean: "
+                        f"a bug the data triggers"}
+    trigger = {"kind": "batch", "step": k, "rank": batches[0]["rank"], "module": None, "op": None, "collective": None,
+               "batch_index": batches[0]["batch_index"], "samples": batches[0]["samples"],
+               "evidence": f"the samples that set it off ({samples}): their values are finite, the op's handling of "
+                           f"them is not"}
+    prescription = {"action": "skip_batch", "batches": batches, "verified_by": "drop_rows", "applied": False,
+                    "fix": {"op": origin["op"], "module": origin["module"] or None, "line": line or None,
+                            "advice": _GUARDS.get(origin["op"].split("::")[-1].split(".")[0],
+                                                  "guard this op against these inputs (clamp them or mask its result)")
+                                      + "; meanwhile these samples are skipped"}}
+    return "software", 0.85, root, prescription, "drop_rows", trigger
 
 
 def _symptoms(info: dict, trace: list[dict], origin: dict | None) -> list[dict]:

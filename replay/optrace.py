@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
+import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,6 +29,29 @@ DEPART_RATIO = 10.0   # an op's output norm changing this much between two steps
 MAX_OPS = 20000       # per step: a runaway loop cannot exhaust the replay's memory
 # Ops that move, view or copy values without computing any: a non-finite value
 # passing through them was made elsewhere, so none of them is ever the culprit.
+# Frames in these trees are not the training program's own: the Python line
+# of an op is the innermost frame outside them (outside installed packages
+# too, when there is one: a Trainer's loop is not where the bug is).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOT_THE_PROGRAM = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, contextlib)) + tuple(
+    os.path.join(_ROOT, d) + os.sep for d in ("watcher", "replay", "analysis", "uprobes"))
+PROGRAMS_OF_OURS = os.path.join(_ROOT, "watcher", "workloads") + os.sep  # the bundled workloads are programs
+
+
+def program_line() -> dict | None:
+    """The innermost frame of the training program on the stack: file, line, function, source."""
+    frames = []
+    for fr in traceback.extract_stack():
+        f = os.path.abspath(fr.filename)
+        if not fr.filename.startswith("<") and (f.startswith(PROGRAMS_OF_OURS) or not f.startswith(NOT_THE_PROGRAM)):
+            frames.append((f, fr))
+    mine = [x for x in frames if "-packages" + os.sep not in x[0]] or frames
+    if not mine:
+        return None
+    f, fr = mine[-1]
+    return {"file": f, "line": fr.lineno, "function": fr.name, "source": (fr.line or "").strip()}
+
+
 PASS_THROUGH = {"detach", "alias", "view", "_unsafe_view", "reshape", "clone", "_to_copy", "copy_", "lift_fresh",
                 "lift_fresh_copy", "t", "transpose", "permute", "expand", "slice", "select", "as_strided",
                 "contiguous", "split", "split_with_sizes", "unbind", "unsqueeze", "squeeze", "index_select",
@@ -163,7 +188,8 @@ class OpTrace(TorchDispatchMode):
         if bad and computes and self.first_nonfinite is None:
             ins = list(_tensors((args, kwargs)))
             rec = dict(rec, step=step, inputs_finite=all(_nonfinite(t) == 0 for t in ins),
-                       input_shapes=[list(t.shape) for t in ins])
+                       input_shapes=[list(t.shape) for t in ins],
+                       line=program_line() if phase == "forward" else None)
             if len(outs[0].shape) >= 1:
                 # Which rows (samples, when dim 0 is the batch) went bad first.
                 flat = outs[0].detach().reshape(outs[0].shape[0], -1)

@@ -84,7 +84,10 @@ def batch(rt: Rank, state, variant: dict, idx: int, b):
         state.extra["batch_anomalies"] = found
         state.extra["batch_index"] = idx
         bad = {a["sample"] for a in found}
-        state.extra["sample_digests"] = {i: d for i, d in enumerate(row_digests(b)) if i in bad}
+        digests = row_digests(b)
+        state.extra["sample_digests"] = {i: d for i, d in enumerate(digests) if i in bad}
+        # Every row's: a bug the data triggers names its samples by the rows its first bad op spoiled.
+        state.extra["row_digests"] = [str(d) for d in digests]
     swap = variant.get("swap_batch")
     if swap and step == swap["step"] and rt.rank in swap["ranks"]:
         other = idx - 1 if (idx - 1) in window else idx + 1

@@ -131,7 +131,7 @@ def test_lr_spike_is_params_and_the_prescribed_lr_works_when_applied(drills):
     inc = incident(out / "lr_spike")
     root = inc["causal_chain"][0]
     assert root["kind"] == "hyperparameter" and root["step"] == 12
-    assert "rose from 0.003 to 3 at step 12" in root["evidence"]
+    assert "jumped from 0.003 to 3 at step 12 (1000x in one step)" in root["evidence"]
     assert inc["prescription"]["params"] == [{"param_group": 0, "name": "lr", "to": pytest.approx(0.003)}]
     applied = incident(out / "adjust_lr")
     assert applied["prescription"]["applied"] is True and applied["recovered"] is True
@@ -462,3 +462,15 @@ def test_skipped_samples_stay_skipped_in_later_epochs(tmp_path):
     rec = run / "recording.duckdb"
     losses = query(rec, "SELECT rank, count(*), count(*) FILTER (WHERE isfinite(loss)) FROM step GROUP BY 1 ORDER BY 1")
     assert losses == [(0, 260, 260), (1, 260, 260)]
+
+
+def test_the_lr_jump_is_the_step_it_rose_most_not_the_warm_up():
+    """A warm-up that climbs 1.5x a step, then a 10x jump at step 9: the chain
+    names step 9 (the jump that lr_hold proved harmful), not step 2 (the first rise)."""
+    from watcher.replay.diagnose import _lr_jump
+
+    warm = [(s, [1e-4 * 1.5 ** (s - 1)]) for s in range(1, 9)]
+    seq = warm + [(9, [warm[-1][1][0] * 10]), (10, [warm[-1][1][0] * 10])]
+    step, lrs, before, ratio, earlier = _lr_jump(seq)
+    assert (step, before, round(ratio, 6), round(earlier, 6)) == (9, warm[-1][1][0], 10.0, 1.5)
+    assert _lr_jump([(1, [0.1]), (2, [0.1]), (3, [0.05])]) is None  # it never rose

@@ -117,6 +117,13 @@ def describe_prescription(p: dict) -> str:
         what = "; ".join(f"rank {b['rank']} step {b['step']} batch {b.get('batch_index')} samples {b['samples']}"
                          for b in p.get("batches") or [])
         text = f"skip_batch {what}"
+        fix = p.get("fix")
+        if fix:  # a bug the data sets off: the op is what to fix, the skip is meanwhile
+            at = fix.get("line") or {}
+            text += (f"; fix {fix['op']} at {at.get('file')}:{at.get('line')}: {fix.get('advice')}" if at
+                     else f"; fix {fix['op']}: {fix.get('advice')}")
+            if p.get("reproducer"):
+                text += f"; reproducer {p['reproducer']}"
     elif a == "adjust_params":
         text = "adjust_params " + ", ".join(f"{c['name']}{'[' + str(c['param_group']) + ']' if 'param_group' in c else ''}"
                                             f" -> {c['to']:.4g}" for c in p.get("params") or [])
