@@ -98,8 +98,26 @@ def plan_trace(rt: Rank, info: dict, plan: dict, inc_dir: IncidentDir) -> dict:
     v = diagnosis_start(rt, info, inc_dir)
     say(rt, f"diagnosing {info['incident_id']}: counterfactual replays of steps {v}..{plan['to_step']}"
         if v is not None else f"diagnosing {info['incident_id']}: no verified snapshot to replay from")
-    return {"from_step": v, "to_step": plan["to_step"],
-            "variants": [{"name": "trace", "trace": {"failing_step": info["failing_step"]}}]}
+    trace = {"name": "trace", "trace": {"failing_step": info["failing_step"]}}
+    ran = as_ran(rt, info["failing_step"])
+    if ran:
+        trace["cpus"] = ran
+    return {"from_step": v, "to_step": plan["to_step"], "variants": [trace]}
+
+
+def as_ran(rt: Rank, k: int) -> dict | None:
+    """{rank: [the core it ran step k on]} from the step lines, when every rank's is known.
+
+    The diagnosis replays run there: a fault of one core then comes back in
+    every replay but the one moved off it, whichever core the scheduler
+    would have picked (on a small machine a rank's threads float between cores)."""
+    ran = {}
+    for r in range(rt.world):
+        cpu = (rt.rundir.read_steps(r, since=k).get(k) or {}).get("cpu")
+        if cpu is None:
+            return None
+        ran[str(r)] = [cpu]
+    return ran
 
 
 def plan_counterfactuals(rt, info: dict, plan: dict, trace: list[dict]) -> list[dict]:
@@ -124,10 +142,14 @@ def plan_counterfactuals(rt, info: dict, plan: dict, trace: list[dict]) -> list[
     norms = [steps[s]["grad_norm"] for s in sorted(steps) if s < k and math.isfinite(steps[s].get("grad_norm") or math.nan)]
     if norms:
         out.append({"name": "clip", "clip": sorted(norms)[len(norms) // 2]})
-    cpus = _other_cores(rt)
-    if cpus:
-        out.append({"name": "other_cores", "cpus": cpus})
     out.append({"name": "float64", "float64": True})
+    ran = as_ran(rt, k)
+    if ran:
+        for v in out:
+            v["cpus"] = ran
+    moved = _other_cores(rt, ran, trace, info)
+    if moved:
+        out.insert(len(out) - 1, dict({"name": "other_cores"}, **moved))
     return out
 
 
@@ -145,16 +167,45 @@ def _spoiled_rows(trace: list[dict], k: int) -> dict | None:
     return {str(r): rows}
 
 
-def _other_cores(rt: Rank) -> dict:
-    """Ranks pinned to a subset of the machine's CPUs, moved to the rest."""
+def _first_bad_input(trace: list[dict]) -> int | None:
+    """The one rank whose input to a collective was non-finite first (a
+    gradient spoiled outside any traced op: a hook, a fault in the copy)."""
+    firsts = {}
+    for r, res in enumerate(trace):
+        c = next((c for c in res.get("colls") or [] if c.get("in_nonfinite")), None)
+        if c is not None:
+            firsts[r] = (c["step"], c["seq"])
+    if not firsts:
+        return None
+    first = min(firsts.values())
+    ranks = [r for r, at in firsts.items() if at == first]
+    return ranks[0] if len(ranks) == 1 else None
+
+
+def _other_cores(rt: Rank, ran: dict | None, trace: list[dict], info: dict) -> dict | None:
+    """The counterfactual that moves the rank the failure starts on (its first
+    bad op, else the detecting rank) to other CPUs, the others replaying where
+    they ran: a rank the job pinned to some CPUs goes to the rest; a rank whose
+    threads float goes off the core it ran the failing step on."""
     every = set(range(os.cpu_count() or 1))
-    moved = {}
+    pinned = {}
     for r in range(rt.world):
         path = rt.rundir.affinity(r)
         got = rt.rundir.get(path) if rt.rundir.has(path) else None
         if got and set(got) < every:
-            moved[str(r)] = sorted(every - set(got))
-    return moved
+            pinned[r] = sorted(got)
+    origin = _origin(trace)
+    r = origin["rank"] if origin else _first_bad_input(trace)
+    r = info.get("rank") if r is None else r
+    if r is None or (r not in pinned and not (ran and str(r) in ran)):
+        r = min(pinned) if pinned else None  # nothing says which: the first pinned rank
+    if r is None:
+        return None
+    was = pinned.get(r) or ran[str(r)]
+    rest = sorted(every - set(was))
+    if not rest:
+        return None
+    return {"cpus": dict(ran or {}, **{str(r): rest}), "moved_rank": r, "from_cpus": was}
 
 
 def record_affinity(rt: Rank) -> None:
@@ -257,9 +308,8 @@ def _attribute(rt, info, plan, outcomes, trace, origin, anomalies, variants):
             and origin.get("inputs_finite"):
         return _data_triggered(k, origin, trace, variants["drop_rows"]["drop_rows"]["rows"])
     if "other_cores" in ok:
-        moved = variants["other_cores"]["cpus"]
-        r = int(min(moved))
-        was = sorted(set(range(os.cpu_count() or 1)) - set(moved[str(r)]))
+        v = variants["other_cores"]
+        moved, r, was = v["cpus"], v["moved_rank"], v["from_cpus"]
         device = {"host": socket.gethostname(), "rank": r, "kind": "cpu", "cpus": was}
         root = {"kind": "device", "step": k, "rank": r, "module": None, "op": None, "collective": None,
                 "evidence": f"rank {r} on CPUs {was} fails; the same inputs replayed on CPUs {moved[str(r)]} are clean"}

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from watcher import health
+
 from .conftest import ROOT, needs_bpf, query
 from .test_run import plain, reference
 
@@ -98,6 +100,12 @@ def test_an_audit_catches_the_flip_and_the_run_ends_as_if_it_never_happened(tmp_
     summary = json.loads((run / "audit.json").read_text())
     assert (summary["mismatched"], summary["steps_run"], summary["ranks_audited"]) == (1, LONG, [0, 1])
     assert "1 departed from the record" in p.stderr
+    # The device: the core rank 1 ran the flipped step on (its step line), entered in the health ledger.
+    cpu = json.loads(next(x for x in (run / "runtime" / "rank1.steps.jsonl").read_text().splitlines()
+                          if '"seq"' not in x and json.loads(x)["step"] == FLIP["step"]))["cpu"]
+    assert div["device"] == health.cpu_device(cpu)
+    assert query(run / "recording.duckdb", "SELECT device, rank, step, incident_id FROM health_event "
+                 "WHERE kind = 'failure'") == [(div["device"], 1, FLIP["step"], "inc-0001")]
 
 
 @needs_bpf

@@ -131,3 +131,26 @@ def test_a_core_that_keeps_failing_is_quarantined_across_runs(tmp_path):
     for r in (0, 1):
         assert BAD not in {int(c) for c in (tmp_path / f"aff.rank{r}").read_text().split(",")}
     assert incs == [] and (tmp_path / "r3.sha").read_text() == truth
+
+
+@needs_bpf
+def test_a_core_that_always_fails_is_hardware_quarantined_and_the_run_finishes(tmp_path):
+    """The core fails every time rank 1 runs the step on it, replays included:
+    persistent; the counterfactual on the other cores is clean, so hardware;
+    under --policy apply rank 1 moves off the core and the run finishes as if
+    the fault never was (the second strike, later, never comes: off the core)."""
+    plain(TORCHRUN + ["--save", str(tmp_path / "plain.sha")], tmp_path)
+    dev = health.cpu_device(BAD, HOST)
+    p, out, incs = _run(tmp_path, "r", "--core", str(BAD), "--flip-steps", "6,14", "--always")
+    assert p.returncode == 0, p.stderr
+    [inc] = incs
+    assert (inc["detected_step"], inc["classification"], inc["attribution"]["cause"]) == (5, "persistent", "hardware")
+    assert inc["diagnosis"]["replays"]["other_cores"]["clean"] and not inc["diagnosis"]["replays"]["trace"]["clean"]
+    pres = inc["prescription"]
+    assert (pres["action"], pres["device"]["cpus"], pres["applied"]) == ("quarantine_device", [BAD], True)
+    assert (inc["recovered"], inc["steps_lost"]) == (True, 0)
+    assert (tmp_path / "r.sha").read_text() == (tmp_path / "plain.sha").read_text()
+    assert [q["device"] for q in json.loads((tmp_path / "node" / "quarantined.json").read_text())] == [dev]
+    assert query(out / "recording.duckdb", "SELECT kind, device, step FROM health_event WHERE kind != 'signal' "
+                 "ORDER BY unix_time") == [("failure", dev, 5), ("quarantine", dev, None)]
+

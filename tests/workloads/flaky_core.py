@@ -6,6 +6,8 @@
                   allreduce: the core's fault.  It strikes once per step (a marker
                   file in --markers says it did), so a replay of the step is clean:
                   each failure alone looks transient.  Off core C nothing happens.
+--always          the core fails every time, replays included (no marker): a
+                  persistent fault, until the rank leaves the core
 --affinity PATH   each rank writes the CPUs it may run on at start to PATH.rank<r>
 --save PATH       rank 0 writes the sha256 of its final parameters to PATH
 
@@ -33,6 +35,7 @@ def main() -> None:
     p.add_argument("--core", type=int)
     p.add_argument("--flip-steps", default="")
     p.add_argument("--markers")
+    p.add_argument("--always", action="store_true")
     p.add_argument("--affinity")
     p.add_argument("--save")
     args = p.parse_args()
@@ -54,8 +57,9 @@ def main() -> None:
         k = step["n"] + 1
         if rank == 1 and k in flips and LIBC.sched_getcpu() == args.core:
             marker = os.path.join(args.markers, f"struck.{k}")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
+            if args.always or not os.path.exists(marker):
+                if not args.always:
+                    open(marker, "w").close()
                 grad = grad.clone()
                 grad.view(-1)[:1].view(torch.int32)[0] ^= 1 << 30
         return grad
