@@ -398,6 +398,42 @@ def health(
         raise NodeUnusable(f"node unusable: {s['unusable'].get('reason')}")
 
 
+@app.command(epilog="Examples:\n\n  sudo watcher agent --root /var/lib/watcher/agent\n\n"
+                    "  sudo watcher agent --root /var/lib/watcher/agent --parquet /shared/watcher --ring-minutes 30\n\n"
+                    "  curl -s localhost:9464/metrics | grep watcher_rank_step_seconds\n\n"
+                    "  curl -s -X POST 'localhost:9464/keep?job=train-4242'   (keep a job's last minutes now)\n\n"
+                    "  sudo kill -USR1 $(pgrep -f 'watcher agent')            (keep every running job)")
+def agent(
+    root: str = typer.Option("/var/lib/watcher/agent", "--root", help="Where kept recordings go: ROOT/<job>/<time>-<reason>.duckdb, and ROOT/agent.json."),
+    ring_minutes: float = typer.Option(10.0, "--ring-minutes", help="Each job's last minutes kept in memory."),
+    ring_max_size: str = typer.Option("256M", "--ring-max-size", help="Cap on the in-memory ring (all jobs together); the oldest rows go first."),
+    listen: str = typer.Option("127.0.0.1:9464", "--listen", help="HOST:PORT of /metrics, /jobs and POST /keep. Off loopback it needs --token."),
+    token: Optional[str] = typer.Option(None, "--token", envvar="WATCHER_AGENT_TOKEN", help="Bearer token every HTTP request must carry."),
+    match: Optional[str] = typer.Option(None, "--match", help="Only jobs whose command line matches this regex."),
+    parquet: Optional[str] = typer.Option(None, "--parquet", help="Also export kept recordings to this Hive-partitioned Parquet tree (shared storage: fleet SQL)."),
+    node: Optional[str] = typer.Option(None, "--node", help="This node's name in metrics and the Parquet tree (default: the host name)."),
+    hang_seconds: float = typer.Option(300.0, "--hang-seconds", help="A job whose live ranks all call no collective for this long is kept as a hang."),
+    keep_all: bool = typer.Option(False, "--keep-all", help="Keep every job's ring when it ends, not only failed ones."),
+    scan_interval: float = typer.Option(0.5, "--scan-interval", help="Seconds between looks for new jobs."),
+    probes: Optional[str] = typer.Option(None, help=PROBES_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Log nothing but errors."),
+):
+    """Node agent: find and record every PyTorch training job on this node, always on, with Prometheus metrics."""
+    from .agent.daemon import Agent, AgentConfig
+
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--listen {listen!r}: give HOST:PORT, e.g. 127.0.0.1:9464")
+    size = _parse_size(ring_max_size)
+    cfg = AgentConfig(root=Path(root), ring_minutes=ring_minutes, ring_max_bytes=size, host=host.strip("[]"),
+                      port=int(port), token=token, match=match, parquet=Path(parquet) if parquet else None,
+                      hang_s=hang_seconds, keep_all=keep_all, scan_interval=scan_interval, quiet=quiet,
+                      probes=tuple(probes.split(",")) if probes else AgentConfig.probes)
+    if node:
+        cfg.node = node
+    raise typer.Exit(Agent(cfg).run())
+
+
 @app.command()
 def demo(
     steps: int = typer.Option(30, help="Training steps of the reference workload."),

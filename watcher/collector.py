@@ -257,7 +257,11 @@ class Collector:
             w.con.execute("ROLLBACK")
             raise
         self.stats.flushes += 1
-        if self.max_size and w.used_bytes() > self.max_size:
+        # A prune cuts by time; the bytes it frees are not exactly in
+        # proportion (tables hold fixed overheads), so cut again if needed.
+        for _ in range(4):
+            if not (self.max_size and w.used_bytes() > self.max_size):
+                break
             self._prune_for_size()
         if self.on_flush:
             self.on_flush(self)

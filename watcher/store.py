@@ -35,6 +35,8 @@ FUTEX_CMD_NAMES = {
 
 # Ids of two recordings queried together are shifted by this much apiece.
 ID_STRIDE = 1 << 24
+# A directory holding this file is a Parquet tree of recordings (watcher/agent/keep.py).
+PARQUET_MARKER = "WATCHER_PARQUET"
 
 
 def _signal_names() -> dict[int, str]:
@@ -45,6 +47,7 @@ def _signal_names() -> dict[int, str]:
 class RecordingWriter:
     def __init__(self, path: str | os.PathLike, in_memory: bool = False):
         self.path = Path(path)
+        self.in_memory = in_memory
         if not in_memory:
             self._create_file(self.path)
         # One DuckDB thread: on a node whose cores all belong to the ranks,
@@ -198,7 +201,15 @@ class RecordingWriter:
 
     def used_bytes(self) -> int:
         """Space the data takes (blocks in use plus the WAL): DuckDB reuses the
-        blocks a DELETE frees but does not shrink the file."""
+        blocks a DELETE frees but does not shrink the file.  In memory (ring
+        mode): the bytes the tables hold, which a prune and checkpoint free."""
+        if self.in_memory:
+            try:
+                return int(self.con.execute(
+                    "SELECT coalesce(sum(memory_usage_bytes), 0) FROM duckdb_memory() "
+                    "WHERE tag = 'IN_MEMORY_TABLE'").fetchone()[0])
+            except duckdb.Error:
+                return 0
         try:
             total, free, block = self.con.execute(
                 "SELECT total_blocks, free_blocks, block_size FROM pragma_database_size()").fetchone()
@@ -454,6 +465,12 @@ class Recordings:
     """One or more recordings attached into one in-memory database."""
 
     def __init__(self, paths: list[str | os.PathLike]):
+        trees = [Path(p) for p in paths if Path(p, PARQUET_MARKER).is_file()]
+        if trees:
+            if len(trees) != len(paths):
+                raise RecordingError("a Parquet tree is queried on its own, not with other recordings")
+            self._open_trees(trees)
+            return
         self.paths = expand(paths)
         if not self.paths:
             raise RecordingError("no recording given")
@@ -510,6 +527,27 @@ class Recordings:
             self.con.execute(f"CREATE TEMP VIEW {t.name} AS " + " UNION ALL ".join(parts))
         for v in schema.VIEWS:
             self.con.execute(f"CREATE TEMP VIEW {v.name} AS {v.sql}")
+
+    def _open_trees(self, trees: list[Path]) -> None:
+        """Fleet SQL: the agents' Parquet trees (watcher/agent/keep.py), read in
+        place.  Each table gets the partition columns node, job and rank;
+        surrogate ids (upid, utid) are per recording, so joins across jobs
+        also match on node and job."""
+        self.paths, self.metas = trees, []
+        self._tmp = Path(tempfile.mkdtemp(prefix="watcher-read-"))
+        self.con = duckdb.connect(":memory:")
+        for t in schema.TABLES:
+            globs = [str(tree / t.name / "**" / "*.parquet") for tree in trees
+                     if any((tree / t.name).glob("node=*"))]
+            extra = [c for c in ("node", "job", "rank") if c not in t.column_names]
+            if globs:
+                self.con.execute(f"CREATE TEMP VIEW {t.name} AS SELECT * FROM read_parquet({globs!r}, "
+                                 "hive_partitioning = true, union_by_name = true, "
+                                 "hive_types = {'node': VARCHAR, 'job': VARCHAR, 'rank': INTEGER})")
+            else:
+                cols = [f"CAST(NULL AS {c.type}) AS {c.name}" for c in t.columns]
+                cols += [f"CAST(NULL AS {'INTEGER' if c == 'rank' else 'VARCHAR'}) AS {c}" for c in extra]
+                self.con.execute(f"CREATE TEMP VIEW {t.name} AS SELECT {', '.join(cols)} WHERE false")
 
     def query(self, sql: str):
         try:

@@ -1,0 +1,41 @@
+"""A gloo job of identical steps: sleep STEP_S (the compute), one all_reduce.
+
+    torchrun --nproc_per_node=2 tests/workloads/steady.py --steps 40 --step-s 0.05
+
+Ground truth for the node agent's tests: every rank issues exactly STEPS
+all_reduce calls (then the barrier of the teardown), one per step of about
+STEP_S seconds.  --until FILE: keep stepping until FILE exists (a job that
+runs as long as the test needs).  --tag: a word for the command line only.
+"""
+
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from watcher.workloads.teardown import end_process_group
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--step-s", type=float, default=0.05)
+    ap.add_argument("--until", default=None)
+    ap.add_argument("--tag", default=None, help="ignored: lets a test pick its jobs by command line")
+    a = ap.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    t = torch.ones(1000)
+    step = 0
+    while step < a.steps or (a.until and not os.path.exists(a.until)):
+        time.sleep(a.step_s)
+        dist.all_reduce(t)
+        step += 1
+    print(f"rank {dist.get_rank()} steps {step}", flush=True)
+    end_process_group()
+
+
+if __name__ == "__main__":
+    main()
