@@ -19,8 +19,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from .conftest import ROOT, needs_bpf, query, watcher
 
 pytestmark = needs_bpf
@@ -315,3 +313,54 @@ def test_agent_refuses_bad_options(tmp_path):
     assert r.returncode == 2 and "HOST:PORT" in r.stderr
     r = watcher("agent", "--root", str(tmp_path / "r"), "--ring-minutes", "0")
     assert r.returncode == 2 and "--ring-minutes" in r.stderr
+
+
+def test_deployment_files_grant_the_same_privileges():
+    """The systemd unit and the DaemonSet grant the agent the same capabilities,
+    and the DaemonSet sees the node's processes (hostPID) and requires a token
+    off loopback."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((ROOT / "deploy/watcher-agent-daemonset.yaml").read_text()))
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    c = pod["containers"][0]
+    caps = set(c["securityContext"]["capabilities"]["add"])
+    assert "agent" == c["args"][0] and any(a.startswith("--listen=0.0.0.0") for a in c["args"])
+    assert any(e["name"] == "WATCHER_AGENT_TOKEN" for e in c["env"])
+    unit = (ROOT / "deploy/watcher-agent.service").read_text()
+    ambient = next(line for line in unit.splitlines() if line.startswith("AmbientCapabilities="))
+    assert {x.removeprefix("CAP_") for x in ambient.split("=", 1)[1].split()} == caps
+
+
+def test_a_hang_seen_from_outside_is_kept_and_node_health_is_in_the_metrics(tmp_path):
+    from watcher import health
+
+    ledger = health.Ledger(None, tmp_path / "health")
+    ledger.add({"kind": "failure", "device": "cpu1@nodeH", "incident_id": "inc-0001", "run": "r1"})
+    assert ledger.quarantine("cpu1@nodeH", "3 failures", "inc-0001", "r1")["quarantined"]
+    agent = AgentProc(tmp_path, "nodeH", "--match", "agent4", "--hang-seconds", "3",
+                      "--health-dir", str(tmp_path / "health")).start()
+    job = _job(tmp_path, "agent4", "--steps", "100000", "--hang-rank", "1", "--hang-at", "40")
+    try:
+        m = agent.metrics()
+        dev = frozenset({"node": "nodeH", "device": "cpu1@nodeH"}.items())
+        assert m[("watcher_node_device_quarantined", dev)] == 1 and m[("watcher_node_device_failures", dev)] == 1
+        assert m[("watcher_node_unusable", frozenset())] == 0
+        info = _wait(lambda: _agent_job(agent, job.pid), 2.0, "the job")
+        kept = _wait(lambda: _kept(agent, info["id"]), 90, "the hang's kept recording", step=0.5)
+        assert kept[0].name.endswith("-hang.duckdb"), kept
+        assert job.poll() is None  # kept from outside: the job is not touched
+        assert _agent_job(agent, job.pid)["incidents"] == {"hang": 1}
+        rep = json.loads(watcher("analyze", "hang", str(kept[0]), "--format", "json", check=True).stdout)
+        assert rep["suspect_ranks"] == [1], rep
+        # Rank 0 made 41 all_reduce calls (steps 0..40), rank 1 stopped before its 41st.
+        got = dict(query(kept[0], "SELECT rank, count(*) FROM collective WHERE op = 'allreduce' GROUP BY rank"))
+        assert got == {0: 41, 1: 40}, got
+    finally:
+        for pid in _ranks_of(job.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        job.kill()
+        job.wait(30)
+        agent.stop()

@@ -415,6 +415,7 @@ def agent(
     hang_seconds: float = typer.Option(300.0, "--hang-seconds", help="A job whose live ranks all call no collective for this long is kept as a hang."),
     keep_all: bool = typer.Option(False, "--keep-all", help="Keep every job's ring when it ends, not only failed ones."),
     scan_interval: float = typer.Option(0.5, "--scan-interval", help="Seconds between looks for new jobs."),
+    health_dir: Optional[str] = typer.Option(None, "--health-dir", help="The node's device health ledger (as given to `watcher run --health-dir`), shown in the metrics."),
     probes: Optional[str] = typer.Option(None, help=PROBES_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log nothing but errors."),
 ):
@@ -428,6 +429,7 @@ def agent(
     cfg = AgentConfig(root=Path(root), ring_minutes=ring_minutes, ring_max_bytes=size, host=host.strip("[]"),
                       port=int(port), token=token, match=match, parquet=Path(parquet) if parquet else None,
                       hang_s=hang_seconds, keep_all=keep_all, scan_interval=scan_interval, quiet=quiet,
+                      health_dir=Path(health_dir) if health_dir else None,
                       probes=tuple(probes.split(",")) if probes else AgentConfig.probes)
     if node:
         cfg.node = node

@@ -5,7 +5,8 @@
 Ground truth for the node agent's tests: every rank issues exactly STEPS
 all_reduce calls (then the barrier of the teardown), one per step of about
 STEP_S seconds.  --until FILE: keep stepping until FILE exists (a job that
-runs as long as the test needs).  --tag: a word for the command line only.
+runs as long as the test needs).  --hang-rank R --hang-at S: rank R stops
+before its all_reduce of step S (counting from 0), its peers block in theirs.  --tag: a word for the command line only.
 """
 
 import argparse
@@ -24,6 +25,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--step-s", type=float, default=0.05)
     ap.add_argument("--until", default=None)
+    ap.add_argument("--hang-rank", type=int, default=None, help="this rank stops for good at --hang-at")
+    ap.add_argument("--hang-at", type=int, default=None)
     ap.add_argument("--tag", default=None, help="ignored: lets a test pick its jobs by command line")
     a = ap.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -31,6 +34,8 @@ def main() -> None:
     step = 0
     while step < a.steps or (a.until and not os.path.exists(a.until)):
         time.sleep(a.step_s)
+        if step == a.hang_at and dist.get_rank() == a.hang_rank:
+            time.sleep(3600)  # a hang: its peers wait in the next all_reduce
         dist.all_reduce(t)
         step += 1
     print(f"rank {dist.get_rank()} steps {step}", flush=True)

@@ -41,6 +41,7 @@ from .keep import export_parquet, keep_job, safe_name
 from .metrics import WINDOW_NS, MetricsServer, SnapshotCollector, collective_counts, is_loopback, rank_numbers, \
     self_usage
 
+HEALTH_EVERY_S = 10.0  # the ledger and NVML are read this often
 CRASH_SETTLE_S = 3.0   # after a rank dies, how long the rest of the job gets to go down before the keep
 
 
@@ -60,6 +61,7 @@ class AgentConfig:
     keep_all: bool = False              # keep every job's ring at its end, not only failures
     forget_after_s: float = 300.0       # an ended job stays in the metrics this long
     probes: tuple[str, ...] = ALL_PROBES
+    health_dir: Path | None = None      # the node's device health ledger (`watcher run --health-dir`)
     quiet: bool = False
 
     def validate(self) -> None:
@@ -164,6 +166,8 @@ class Agent:
         self._high_mark = -1
         self._stop = False
         self.server: MetricsServer | None = None
+        self._health: dict = {}
+        self._next_health = 0.0
 
     # -- running ------------------------------------------------------------
     def run(self) -> int:
@@ -177,6 +181,7 @@ class Agent:
                                    max_size=c.ring_max_bytes, on_flush=lambda _c: self._after_flush())
         self.collector.on_warning = self._say
         self.collector.write_start_meta(target_pid=None, cmdline="", mode="agent", probes=c.probes)
+        self._after_flush()  # numbers from the first scrape on, the node's health among them
         try:
             self.server = MetricsServer(c.host, c.port, self.metrics, self._request_keep, c.token)
         except OSError as e:
@@ -363,8 +368,11 @@ class Agent:
                 continue
             jobs_doc.append(job.doc(ranks))
         usage = self_usage()
+        if now >= self._next_health:
+            self._next_health = now + HEALTH_EVERY_S
+            self._health = node_health(self.config.health_dir)
         self.metrics.snapshot = {
-            "jobs": jobs_doc,
+            "jobs": jobs_doc, "health": self._health,
             "agent": {"node": self.config.node, "cpu_s": usage["cpu_s"], "rss_bytes": usage["rss_bytes"],
                       "ring_bytes": c.writer.used_bytes(), "ring_span_s": _span_s(con),
                       "events": c.stats.total_events, "drops": c.stats.total_drops}}
@@ -435,3 +443,21 @@ def _how(p) -> str:
 def _span_s(con) -> float:
     lo, hi = con.execute("SELECT min(ts), max(ts) FROM syscall").fetchone()
     return 0.0 if lo is None else (hi - lo) / 1e9
+
+
+def node_health(health_dir: Path | None) -> dict:
+    """The node's device ledger (failures, quarantine, unusable mark) and GPU
+    counters through NVML, for the metrics; {} parts where there is none."""
+    from .. import health  # NVML is imported there, only when asked
+
+    out: dict = {"devices": {}, "unusable": False, "gpus": []}
+    if health_dir is not None:
+        try:
+            s = health.summary(health.Ledger(None, health_dir))
+            out["devices"] = {name: {"failures": d["failures"], "quarantined": bool(d.get("quarantined"))}
+                              for name, d in s["devices"].items()}
+            out["unusable"] = bool(s["unusable"])
+        except (OSError, ValueError) as e:
+            out["error"] = str(e)
+    out["gpus"] = health.nvml_devices() or []
+    return out

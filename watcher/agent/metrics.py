@@ -141,6 +141,30 @@ class SnapshotCollector:
                 syss.add_metric(rl, r.get("syscall_s", 0.0))
                 fut.add_metric(rl, r.get("futex_s", 0.0))
         yield from (up, ranks, inc, kept, info, step, lat, colls, age, sysc, syss, fut)
+        yield from _health_metrics(snap.get("health") or {}, node)
+
+
+def _health_metrics(h: dict, node: str):
+    """The node's device ledger and NVML counters (watcher/health.py)."""
+    from prometheus_client.core import GaugeMetricFamily as g
+
+    fails = g("watcher_node_device_failures", "Failures pinned on the device in the node's health ledger.",
+              labels=["node", "device"])
+    quar = g("watcher_node_device_quarantined", "1 while the device is quarantined.", labels=["node", "device"])
+    for name, d in sorted((h.get("devices") or {}).items()):
+        fails.add_metric([node, name], d["failures"])
+        quar.add_metric([node, name], 1 if d["quarantined"] else 0)
+    yield fails
+    yield quar
+    yield g("watcher_node_unusable", "1 when the health breaker marked the node unusable.",
+            value=1 if h.get("unusable") else 0)
+    gpu = g("watcher_gpu_counter", "NVML health counters per GPU (ECC, remapped rows, retired pages, "
+            "throttle reasons, PCIe replays, NVLink errors, temperature).", labels=["node", "gpu", "uuid", "counter"])
+    for d in h.get("gpus") or []:
+        for k, v in d.items():
+            if k not in ("index", "uuid", "name") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                gpu.add_metric([node, str(d["index"]), d["uuid"], k], v)
+    yield gpu
 
 
 class MetricsServer:
