@@ -11,7 +11,7 @@ test: setup
 demo: setup
     {{venv}}/watcher demo
 
-# `just bench recorder|uprobes|run|recover|diagnose|scale|sandbox|audit`: each prints a table and writes bench-results/<what>.json
+# `just bench recorder|uprobes|run|recover|diagnose|scale|sandbox|audit|agent`: each prints a table and writes bench-results/<what>.json
 bench what="recorder": setup
     {{venv}}/python scripts/bench_{{what}}.py
 

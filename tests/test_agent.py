@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,7 +34,10 @@ def _free_port() -> int:
 
 
 class AgentProc:
-    def __init__(self, tmp: Path, name: str, *args: str):
+    def __init__(self, tmp: Path, name: str, *args: str, token: str | None = None):
+        self.token = token
+        if token:
+            args = (*args, "--token", token)
         self.port = _free_port()
         self.root = tmp / f"{name}-root"
         self.log = tmp / f"{name}.log"
@@ -54,8 +58,11 @@ class AgentProc:
                 time.sleep(0.1)
         raise AssertionError(f"agent never served metrics: {self.log.read_text()}")
 
-    def get(self, path: str) -> bytes:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+    def get(self, path: str, token: str | None = None) -> bytes:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}")
+        if token or self.token:
+            req.add_header("Authorization", f"Bearer {token or self.token}")
+        with urllib.request.urlopen(req, timeout=5) as r:
             return r.read()
 
     def metrics_text(self) -> str:
@@ -185,8 +192,7 @@ def test_agent_finds_records_and_keeps_a_killed_job(tmp_path):
         until[0].touch()
         out, _ = jobs[0].communicate(timeout=60)
         assert jobs[0].returncode == 0, out
-        steps = {int(line.split()[1]): int(line.split()[3]) for line in out.splitlines()
-                 if line.startswith("rank ") and " steps " in line}
+        steps = {int(r): int(n) for r, n in re.findall(r"rank (\d+) steps (\d+)", out)}
         assert set(steps) == {0, 1}, out
         kept_a = _wait(lambda: _kept(agent, ids[0]), 30, "job A's kept recording")
         assert kept_a[0].name.endswith("-ended.duckdb")
@@ -341,7 +347,18 @@ def test_a_hang_seen_from_outside_is_kept_and_node_health_is_in_the_metrics(tmp_
     ledger.add({"kind": "failure", "device": "cpu1@nodeH", "incident_id": "inc-0001", "run": "r1"})
     assert ledger.quarantine("cpu1@nodeH", "3 failures", "inc-0001", "r1")["quarantined"]
     agent = AgentProc(tmp_path, "nodeH", "--match", "agent4", "--hang-seconds", "3",
-                      "--health-dir", str(tmp_path / "health")).start()
+                      "--health-dir", str(tmp_path / "health"), token="s3cret").start()
+    # With a token, a request without it (or with another) gets nothing.
+    import urllib.error
+    for bad in (None, "wrong"):
+        req = urllib.request.Request(f"http://127.0.0.1:{agent.port}/metrics")
+        if bad:
+            req.add_header("Authorization", f"Bearer {bad}")
+        try:
+            urllib.request.urlopen(req, timeout=5)
+            raise AssertionError("served without the token")
+        except urllib.error.HTTPError as e:
+            assert e.code == 401
     job = _job(tmp_path, "agent4", "--steps", "100000", "--hang-rank", "1", "--hang-at", "40")
     try:
         m = agent.metrics()

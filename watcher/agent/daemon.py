@@ -30,18 +30,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..bpf.recorder import ALL_PROBES, KernelRecorder, RecorderConfig
+from ..bpf.recorder import ALL_PROBES, DEFAULT_RING_PAGES, KernelRecorder, RecorderConfig
 from ..collector import Collector, monotonic_ns
 from ..errors import UsageError
 from ..privileges import explain_compile_failure, require_bcc, require_bpf_privileges
 from ..session import _descendants
 from ..store import RecordingWriter
-from .discovery import Discovery, Found
+from .discovery import LAUNCHER_MODULES, Discovery, Found
 from .keep import export_parquet, keep_job, safe_name
 from .metrics import WINDOW_NS, MetricsServer, SnapshotCollector, collective_counts, is_loopback, rank_numbers, \
     self_usage
 
-HEALTH_EVERY_S = 10.0  # the ledger and NVML are read this often
+# Kernel rings a quarter of `watcher record`'s (those are sized for syscall
+# storms of 1.3 M/s): the syscall ring still holds ~87k records, 0.1 s of
+# 870k/s, and the agent's memory is counted on every node.  Drops are counted
+# and exported (watcher_agent_dropped_events_total) as always.
+AGENT_RING_PAGES = {ring: max(64, pages // 4) for ring, pages in DEFAULT_RING_PAGES.items()}
+HEALTH_EVERY_S = 10.0
+BUSY_POLL_S, IDLE_POLL_S = 0.1, 0.5  # the ledger and NVML are read this often
 CRASH_SETTLE_S = 3.0   # after a rank dies, how long the rest of the job gets to go down before the keep
 
 
@@ -135,6 +141,7 @@ class AgentCollector(Collector):
             except Exception as e:  # a library we cannot probe must not stop the agent
                 if self.on_warning:
                     self.on_warning(f"warning: cannot probe libraries of {pids}: {e}")
+            shed_compiler_memory()  # resolving a library's symbols leaves heap behind
 
     def scan_later(self, pids: list[int]) -> None:
         self._scan_q.put(list(pids))
@@ -173,9 +180,10 @@ class Agent:
     def run(self) -> int:
         c = self.config
         try:
-            self.recorder = KernelRecorder(RecorderConfig(probes=c.probes))
+            self.recorder = KernelRecorder(RecorderConfig(probes=c.probes, ring_pages=AGENT_RING_PAGES))
         except Exception as e:  # bcc raises plain Exception on compile/attach failure
             raise explain_compile_failure(e) from None
+        shed_compiler_memory()
         writer = RecordingWriter(c.root / "ring.duckdb", in_memory=True)
         self.collector = AgentCollector(self.recorder, writer, ring_window_ns=int(c.ring_minutes * 60e9),
                                    max_size=c.ring_max_bytes, on_flush=lambda _c: self._after_flush())
@@ -322,8 +330,15 @@ class Agent:
         con = c.writer.con
         now_ns, now = monotonic_ns(), time.monotonic()
         members = self._members()
-        nums = rank_numbers(con, now_ns - WINDOW_NS)
-        new, self._high_mark = collective_counts(con, self._high_mark)
+        busy = any(j.state == "running" or j.keep_at is not None for j in self.jobs.values())
+        # Idle (no job on the node): the rings are polled 5 times less often,
+        # and no query runs; the first fork or exec of a job is in the ring
+        # within 0.5 s, before its first step.
+        c.poll_interval = BUSY_POLL_S if busy else IDLE_POLL_S
+        nums, new = {}, {}
+        if self.jobs:
+            nums = rank_numbers(con, now_ns - WINDOW_NS)
+            new, self._high_mark = collective_counts(con, self._high_mark)
         jobs_doc = []
         for job in list(self.jobs.values()):
             upids = [u for u, j in members.items() if j == job.id]
@@ -426,12 +441,14 @@ def _ppid(pid: int) -> int | None:
 
 
 def _script_name(cmdline: str) -> str:
-    """The training script's name from a command line, for a job id."""
-    for a in cmdline.split():
+    """The training script's (or module's) name from a command line, for a job id."""
+    args = cmdline.split()
+    for i, a in enumerate(args):
+        if a in ("-m", "--module") and i + 1 < len(args) and args[i + 1] not in LAUNCHER_MODULES:
+            return args[i + 1].rsplit(".", 1)[-1]
         if a.endswith(".py"):
             return Path(a).stem
-    parts = cmdline.split()
-    return Path(parts[0]).name if parts else "job"
+    return Path(args[0]).name if args else "job"
 
 
 def _how(p) -> str:
@@ -461,3 +478,27 @@ def node_health(health_dir: Path | None) -> dict:
             out["error"] = str(e)
     out["gpus"] = health.nvml_devices() or []
     return out
+
+
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (clean file pages: dropped, read again if touched)
+
+
+def shed_compiler_memory() -> None:
+    """Give back what compiling the BPF programs left resident: LLVM's and
+    clang's code pages (~85 MB, needed again only to compile, and then read
+    back from the file) and the freed heap.  A long-lived agent on every node
+    should not carry its compiler."""
+    import ctypes  # only here: the agent's one use of libc directly
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and ("libLLVM" in parts[5] or "libclang" in parts[5]):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    libc.madvise(lo, hi - lo, MADV_PAGEOUT)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError, ValueError):
+        pass  # memory is not worth failing over
