@@ -184,7 +184,8 @@ def _first_bad_input(trace: list[dict]) -> int | None:
 
 def _other_cores(rt: Rank, ran: dict | None, trace: list[dict], info: dict) -> dict | None:
     """The counterfactual that moves the rank the failure starts on (its first
-    bad op, else the detecting rank) to other CPUs, the others replaying where
+    bad op, else its first non-finite collective input, else a rank the job
+    pinned, else the detecting rank) to other CPUs, the others replaying where
     they ran: a rank the job pinned to some CPUs goes to the rest; a rank whose
     threads float goes off the core it ran the failing step on."""
     every = set(range(os.cpu_count() or 1))
@@ -196,7 +197,9 @@ def _other_cores(rt: Rank, ran: dict | None, trace: list[dict], info: dict) -> d
             pinned[r] = sorted(got)
     origin = _origin(trace)
     r = origin["rank"] if origin else _first_bad_input(trace)
-    r = info.get("rank") if r is None else r
+    if r is None and pinned:
+        r = min(pinned)  # nothing in the trace says which: a rank the job pinned is where a core fault lives
+    r = info.get("rank") if r is None else r  # else the rank that detected it
     if r is None or (r not in pinned and not (ran and str(r) in ran)):
         r = min(pinned) if pinned else None  # nothing says which: the first pinned rank
     if r is None:

@@ -381,3 +381,33 @@ def test_a_hang_seen_from_outside_is_kept_and_node_health_is_in_the_metrics(tmp_
         job.kill()
         job.wait(30)
         agent.stop()
+
+
+def test_ranks_a_scheduler_started_one_by_one_are_one_job(tmp_path):
+    """As srun does: each rank started on its own (no launcher), with RANK,
+    WORLD_SIZE, MASTER_ADDR and the scheduler's job id in its environment."""
+    agent = AgentProc(tmp_path, "nodeS", "--match", "agent5", "--keep-all").start()
+    port = _free_port()
+    ranks = []
+    try:
+        for r in (0, 1):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), SLURM_JOB_ID="77001")
+            ranks.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workloads/steady.py"), "--tag",
+                                           "agent5", "--steps", "60", "--step-s", str(STEP_S)],
+                                          cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
+        job = _wait(lambda: next((j for j in agent.jobs() if len(j["ranks"]) == 2), None), 30, "one job, 2 ranks")
+        assert job["id"].startswith("77001-") and job["run_id"] == "77001", job
+        assert {r["rank"]: r["pid"] for r in job["ranks"]} == {0: ranks[0].pid, 1: ranks[1].pid}
+        assert len(agent.jobs()) == 1
+        for p in ranks:
+            assert p.wait(120) == 0
+        kept = _wait(lambda: _kept(agent, job["id"]), 30, "the kept recording")
+        assert len(kept) == 1 and kept[0].name.endswith("-ended.duckdb")
+        got = dict(query(kept[0], "SELECT rank, count(*) FROM collective WHERE op = 'allreduce' GROUP BY rank"))
+        assert got == {0: 60, 1: 60}, got
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+        agent.stop()

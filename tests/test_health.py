@@ -154,3 +154,21 @@ def test_a_core_that_always_fails_is_hardware_quarantined_and_the_run_finishes(t
     assert query(out / "recording.duckdb", "SELECT kind, device, step FROM health_event WHERE kind != 'signal' "
                  "ORDER BY unix_time") == [("failure", dev, 5), ("quarantine", dev, None)]
 
+
+
+def test_a_launch_leaves_quarantined_gpus_out_by_uuid():
+    """The GPU half of a quarantine, without a GPU: NVML's device list is given
+    (on a GPU machine, scripts/gpu_check reads the real one)."""
+    from watcher.health import visible_gpus
+
+    gpus = [{"index": i, "uuid": f"GPU-{i}aaa"} for i in range(4)]
+    q = ["gpu-GPU-2aaa", "cpu1@node7"]
+    assert visible_gpus(q, gpus, None) == ("GPU-0aaa,GPU-1aaa,GPU-3aaa", ["GPU-2aaa"])
+    # The job's own choice is kept, by index or UUID, less the quarantined board.
+    assert visible_gpus(q, gpus, "1,2") == ("GPU-1aaa", ["GPU-2aaa"])
+    assert visible_gpus(q, gpus, "GPU-2aaa,GPU-3aaa") == ("GPU-3aaa", ["GPU-2aaa"])
+    # Nothing quarantined among them, or no NVML: the launch is left alone.
+    assert visible_gpus(q, gpus, "0,1") == (None, [])
+    assert visible_gpus(q, None, None) == (None, [])
+    # All of its GPUs quarantined: nothing left to launch on.
+    assert visible_gpus(["gpu-GPU-0aaa"], gpus[:1], None) == ("", ["GPU-0aaa"])

@@ -27,14 +27,24 @@ class NotAnElf(ValueError):
     pass
 
 
-def _select(names: np.ndarray, strings: bytes, exact: set[str], substrings: set[str]) -> np.ndarray:
+# The string table is scanned for NULs this many bytes at a time: a mask of
+# the whole table (~70 MB for libtorch_cpu.so) would be a copy of its size.
+NUL_SCAN_CHUNK = 1 << 22
+
+
+def _nul_offsets(buf: np.ndarray) -> np.ndarray:
+    parts = [np.flatnonzero(buf[i:i + NUL_SCAN_CHUNK] == 0) + i for i in range(0, len(buf), NUL_SCAN_CHUNK)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def _select(names: np.ndarray, strings, exact: set[str], substrings: set[str]) -> np.ndarray:
     """Mask of the symbols (by st_name offset) whose name equals one of
     `exact` (optionally followed by @version) or contains one of `substrings`.
 
     String tables share suffixes, so a name may start in the middle of another
     string: matches are found by position, never by string starts."""
     buf = np.frombuffer(strings, dtype=np.uint8)
-    ends = np.flatnonzero(buf == 0)
+    ends = _nul_offsets(buf)
     name_end = ends[np.minimum(np.searchsorted(ends, names), len(ends) - 1)]
     mask = np.zeros(len(names), dtype=bool)
     for name in exact:
@@ -74,20 +84,26 @@ def defined_symbols(path: str, exact: set[str] = frozenset(), substrings: set[st
             sh_type, sh_offset, sh_size, sh_link = sh[1], sh[4], sh[5], sh[6]
             if sh_type not in (SHT_DYNSYM, SHT_SYMTAB):
                 continue
-            strtab = sections[sh_link]
-            strings = bytes(data[strtab[4]:strtab[4] + strtab[5]])
-            syms = np.frombuffer(data, dtype=ELF64_SYM, count=sh_size // ELF64_SYM.itemsize,
-                                 offset=sh_offset).copy()
-            kind = syms["info"] & 0xF
-            wanted = (kind == STT_FUNC) | (kind == STT_GNU_IFUNC) | (objects & (kind == STT_OBJECT))
-            keep = syms[wanted & (syms["shndx"] != 0)
-                        & (syms["value"] != 0)]
-            if not everything:
-                keep = keep[_select(keep["name"].astype(np.int64), strings, set(exact), set(substrings))]
-            for name_off, value in zip(keep["name"].tolist(), keep["value"].tolist()):
-                end = strings.index(b"\0", name_off)
-                name = strings[name_off:end].decode(errors="replace").split("@", 1)[0]
-                out.setdefault(name, value)
+            base = sections[sh_link][4]
+            # Searched in place, in the mapping: a copy of libtorch's string
+            # table would hold ~70 MB of anonymous memory through the attach.
+            strings = memoryview(data)[base:base + sections[sh_link][5]]
+            try:
+                syms = np.frombuffer(data, dtype=ELF64_SYM, count=sh_size // ELF64_SYM.itemsize,
+                                     offset=sh_offset).copy()
+                kind = syms["info"] & 0xF
+                wanted = (kind == STT_FUNC) | (kind == STT_GNU_IFUNC) | (objects & (kind == STT_OBJECT))
+                keep = syms[wanted & (syms["shndx"] != 0)
+                            & (syms["value"] != 0)]
+                del syms, kind, wanted
+                if not everything:
+                    keep = keep[_select(keep["name"].astype(np.int64), strings, set(exact), set(substrings))]
+                for name_off, value in zip(keep["name"].tolist(), keep["value"].tolist()):
+                    end = data.find(b"\0", base + name_off) - base
+                    name = bytes(strings[name_off:end]).decode(errors="replace").split("@", 1)[0]
+                    out.setdefault(name, value)
+            finally:
+                strings.release()  # the mapping cannot close while a view of it lives
         return out
     finally:
         data.close()

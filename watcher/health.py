@@ -182,6 +182,26 @@ class Ledger:
         return max(1, len(nvml_devices() or []))
 
 
+def visible_gpus(quarantined: list[str], gpus: list[dict] | None, visible: str | None) -> tuple[str | None, list[str]]:
+    """CUDA_VISIBLE_DEVICES for a launch that leaves the quarantined GPUs out.
+
+    `gpus`: NVML's list (index, uuid); `visible`: the launch's own
+    CUDA_VISIBLE_DEVICES (indices or UUIDs), if set.  Returns (the value to
+    set, or None to leave it as it is; the UUIDs left out).  UUIDs, not
+    indices: they name the same board whatever the enumeration order."""
+    bad = {q.removeprefix("gpu-") for q in quarantined if q.startswith("gpu-")}
+    if not bad or not gpus:
+        return None, []
+    by_index = {str(d["index"]): d["uuid"] for d in gpus}
+    wanted = [d["uuid"] for d in gpus] if visible is None else \
+        [by_index.get(v.strip(), v.strip()) for v in visible.split(",") if v.strip()]
+    out = [u for u in wanted if u not in bad]
+    left_out = [u for u in wanted if u in bad]
+    if not left_out:
+        return None, []
+    return ",".join(out), left_out
+
+
 def held_list(path: Path) -> list[dict]:
     try:
         return read_json(path) if path.exists() else []

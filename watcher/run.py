@@ -160,6 +160,7 @@ def run(cfg: RunConfig) -> RunResult:
         why = read_json(node.unusable_file).get("reason", "")
         raise NodeUnusable(f"this node is marked unusable ({node.unusable_file}): {why}; "
                            f"`watcher health --health-dir {cfg.health_dir} --clear` once it is repaired")
+    gpus = _off_quarantined_gpus(node, cfg.quiet) if node is not None else None
     run_dir = RunDir(cfg.out)
     try:
         run_dir.create(cfg.cmd)
@@ -176,6 +177,8 @@ def run(cfg: RunConfig) -> RunResult:
     window_dir = _window_dir(run_dir)
     env = cfg.env()
     env["WATCHER_WINDOW_DIR"] = str(window_dir)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     deaths = RankDeaths(run_dir, ctl).start()  # so no rank waits for a dead peer
     t_job = time.monotonic()
     ledger = health.Ledger(run_dir.root, cfg.health_dir)
@@ -225,6 +228,22 @@ def _off_quarantined_cores(ledger: health.Ledger, quiet: bool) -> set[int] | Non
         print(f"watcher: launching on CPUs {sorted(keep)}: CPUs {sorted(bad & now)} are quarantined on this node "
               f"({ledger.quarantine_file})", file=sys.stderr)
     return now
+
+
+def _off_quarantined_gpus(node: health.Ledger, quiet: bool) -> str | None:
+    """CUDA_VISIBLE_DEVICES (by UUID) without the GPUs the node quarantined,
+    or None to leave the job's own; refused when none would be left."""
+    value, left_out = health.visible_gpus(node.quarantined(), health.nvml_devices(),
+                                          os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if value is None:
+        return None
+    if not value:
+        raise NodeUnusable(f"every GPU this job would use is quarantined on this node ({', '.join(left_out)}); "
+                           f"see `watcher health --health-dir {node.node_dir}`")
+    if not quiet:
+        print(f"watcher: launching without GPUs {', '.join(left_out)} (quarantined on this node, "
+              f"{node.quarantine_file}): CUDA_VISIBLE_DEVICES={value}", file=sys.stderr)
+    return value
 
 
 def _health_signals(ledger: health.Ledger, run_dir: RunDir, before: dict | None) -> dict | None:

@@ -95,7 +95,7 @@ class AgentConfig:
 class Job:
     found: Found
     id: str
-    upid: int                           # the root process in the agent's model
+    roots: list                         # upids of its root processes: the launcher, or each rank a scheduler started
     started_wall: float
     state: str = "running"
     ended_mono: float | None = None
@@ -105,6 +105,7 @@ class Job:
     keep_at: float | None = None
     hang_open: bool = False
     collectives: dict = field(default_factory=dict)  # upid -> running total
+    last_collective: dict = field(default_factory=dict)  # upid -> ts of its latest collective (the ring may have pruned it)
 
     def kept_for(self, reason: str) -> bool:
         return any(k.endswith(f"-{safe_name(reason)}.duckdb") for k in self.kept)
@@ -253,8 +254,16 @@ class Agent:
             self.recorder.trace(child)
             m.adopt_live(child, parent, t0)
         self.collector.scan_later([found.pid] + [child for child, _ in _descendants(found.pid)])
+        if found.kind == "rank" and found.run_id:
+            # Ranks a scheduler started one by one (srun, a pod per rank): one job by its id.
+            same = next((j for j in self.jobs.values() if j.found.kind == "rank" and j.state == "running"
+                         and j.found.run_id == found.run_id), None)
+            if same is not None:
+                same.roots.append(row.upid)
+                self._say(f"job {same.id}: rank process {found.pid} joins it")
+                return
         stem = found.run_id or _script_name(found.cmdline)
-        job = Job(found=found, id=safe_name(f"{stem}-{found.pid}"), upid=row.upid, started_wall=time.time())
+        job = Job(found=found, id=safe_name(f"{stem}-{found.pid}"), roots=[row.upid], started_wall=time.time())
         self.jobs[job.id] = job
         self._say(f"found job {job.id} ({found.kind} pid {found.pid}): {found.cmdline[:100]}")
         self._write_state()
@@ -262,7 +271,7 @@ class Agent:
     def _members(self) -> dict[int, str]:
         """upid -> job id, for every process the model knows (a job is its
         root's tree: the launcher, its ranks, their forks)."""
-        roots = {j.upid: j.id for j in self.jobs.values()}
+        roots = {u: j.id for j in self.jobs.values() for u in j.roots}
         procs = self.collector.model.processes
         found: dict[int, str | None] = dict(roots)
         for p in procs:
@@ -298,7 +307,7 @@ class Agent:
             while out.exists():
                 out = out.with_name(f"{out.stem.split('~')[0]}~{n}.duckdb")
                 n += 1
-            p = self.collector.model.processes[job.upid]
+            p = self.collector.model.processes[job.roots[0]]
             keep_job(c.writer.con, out, upids, {
                 "mode": "agent", "target_pid": job.found.pid, "target_cmdline": job.found.cmdline,
                 "agent_job": job.id, "agent_node": self.config.node, "agent_reason": reason,
@@ -335,10 +344,10 @@ class Agent:
         # and no query runs; the first fork or exec of a job is in the ring
         # within 0.5 s, before its first step.
         c.poll_interval = BUSY_POLL_S if busy else IDLE_POLL_S
-        nums, new = {}, {}
+        nums, new, latest = {}, {}, {}
         if self.jobs:
             nums = rank_numbers(con, now_ns - WINDOW_NS)
-            new, self._high_mark = collective_counts(con, self._high_mark)
+            new, latest, self._high_mark = collective_counts(con, self._high_mark)
         jobs_doc = []
         for job in list(self.jobs.values()):
             upids = [u for u, j in members.items() if j == job.id]
@@ -349,8 +358,10 @@ class Agent:
                 if p.rank is None or (parent is not None and parent.rank is not None):
                     continue  # not a rank, or a rank's fork (DataLoader worker)
                 job.collectives[u] = job.collectives.get(u, 0) + new.get(u, 0)
+                if u in latest:
+                    job.last_collective[u] = max(job.last_collective.get(u, 0), latest[u])
                 d = nums.get(u, {})
-                last = d.get("last_collective_ts")
+                last = job.last_collective.get(u)
                 ranks.append({"rank": p.rank, "pid": p.pid, "alive": p.end_ts is None,
                               "exit_code": p.exit_code, "exit_signal": p.exit_signal,
                               "collectives": job.collectives[u], "step_s": d.get("step_s"),
@@ -365,11 +376,12 @@ class Agent:
                 self._incident(job, "crash", f"crash-rank{p.rank}", once_key=f"crash:{p.pid}", now=now)
             ranks.sort(key=lambda r: r["rank"])
             self._check_hang(job, ranks, now)
-            root = m.processes[job.upid]
+            root = m.processes[job.roots[0]]
             alive = any(m.processes[u].end_ts is None for u in upids)
-            if job.state == "running" and root.end_ts is not None and not alive:
+            if job.state == "running" and all(m.processes[u].end_ts is not None for u in job.roots) and not alive:
                 job.state, job.ended_mono = "ended", now
-                failed = root.exit_signal is not None or root.exit_code not in (None, 0)
+                failed = any(m.processes[u].exit_signal is not None or m.processes[u].exit_code not in (None, 0)
+                             for u in job.roots)
                 self._say(f"job {job.id} ended ({_how(root)})")
                 if failed:
                     self._incident(job, "job_failed", "job-failed", once_key="job_failed", now=now)

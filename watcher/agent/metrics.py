@@ -58,12 +58,14 @@ def rank_numbers(con, since_ns: int) -> dict[int, dict]:
     return out
 
 
-def collective_counts(con, after_id: int) -> tuple[dict[int, int], int]:
+def collective_counts(con, after_id: int) -> tuple[dict[int, int], dict[int, int], int]:
     """New collectives per process since row `after_id` (a running total
-    that the ring's pruning cannot take back), and the new high mark."""
-    rows = con.execute("SELECT upid, count(*), max(api_call_id) FROM collective WHERE api_call_id > ? "
-                       "GROUP BY upid", [after_id]).fetchall()
-    return {u: n for u, n, _ in rows}, max([after_id] + [m for _, _, m in rows])
+    that the ring's pruning cannot take back), the entry time of each one's
+    latest, and the new high mark."""
+    rows = con.execute("SELECT upid, count(*), max(ts), max(api_call_id) FROM collective "
+                       "WHERE api_call_id > ? GROUP BY upid", [after_id]).fetchall()
+    return ({u: n for u, n, _, _ in rows}, {u: t for u, _, t, _ in rows},
+            max([after_id] + [m for _, _, _, m in rows]))
 
 
 def self_usage() -> dict:
