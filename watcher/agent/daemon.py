@@ -34,7 +34,7 @@ from ..bpf.recorder import ALL_PROBES, DEFAULT_RING_PAGES, KernelRecorder, Recor
 from ..collector import Collector, monotonic_ns
 from ..errors import UsageError
 from ..privileges import explain_compile_failure, require_bcc, require_bpf_privileges
-from ..session import _descendants
+from ..session import _descendants, _ppid
 from ..store import RecordingWriter
 from .discovery import LAUNCHER_MODULES, Discovery, Found
 from .keep import export_parquet, keep_job, safe_name
@@ -442,14 +442,6 @@ class Agent:
             os.replace(tmp, self.config.root / "agent.json")
         except OSError as e:
             self._say(f"cannot write {tmp}: {e.strerror}")
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _script_name(cmdline: str) -> str:
