@@ -98,6 +98,7 @@ class RankRuntime:
         self.snapshots: list = []
         self.retained: list = []      # a persistent incident's snapshot, kept out of rotation for diagnosis
         self.last_end_ns = None
+        self.last_coll_done_ns = 0    # a collective completing is progress too (stall.py)
         # Time the rank spent in Watcher's own code since the last step was
         # logged (hooks, checksums, captures, snapshots): `watcher_us` per step,
         # what Watcher costs the job, measured where it is spent.
@@ -354,7 +355,9 @@ class RankRuntime:
                 for stage, fn in self.fault_hooks:
                     if stage == "collective_output":
                         fn(self, meta, outs)
-                meta["dur"] = time.monotonic_ns() - meta["ts"]
+                now = time.monotonic_ns()
+                meta["dur"] = now - meta["ts"]
+                self.last_coll_done_ns = now
                 self.in_flight -= 1
                 self.waiting.pop((meta["group"], meta["seq"]), None)
                 # The window gets the step's collectives with its step record

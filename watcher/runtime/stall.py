@@ -2,6 +2,7 @@
 
 A hang (no step end past the hang limit, minutes by default) halts the job
 and replays the window.  Long before that, a rank that has made no progress
+(no step end, no collective completed)
 for `stall_seconds` or `stall_factor` times the job's median step, whichever
 is longer, while no collective of its own is waiting on its peers (so it is
 the one they wait for, not one of the waiters), says so:
@@ -73,7 +74,11 @@ class StallWatch:
         limit = det.stall_limit_s(median_step_s)
         if limit >= det.hang_limit_s(median_step_s):
             return  # the hang detector is the sooner: it halts and replays
-        quiet = (now_ns - rt.last_end_ns) / 1e9
+        # Progress is a step end or a collective completing: a rank that just
+        # came out of a long wait on its peers (a stuck collective aborted and
+        # retried) has not stalled, it was held up.
+        since = max(rt.last_end_ns, rt.last_coll_done_ns)
+        quiet = (now_ns - since) / 1e9
         step = rt.step + 1
         if quiet <= limit or self.reported_step == step:
             return
@@ -91,7 +96,7 @@ class StallWatch:
         self.reported_step = step  # once per step, opened or not (another incident may be open)
         if seq is None:
             return
-        self.incident_id, self.since_ns = f"inc-{seq:04d}", rt.last_end_ns
+        self.incident_id, self.since_ns = f"inc-{seq:04d}", since
         doc = Incident.opened(self.incident_id, "stall", step, rt.rank, now_ns, detail, None, None)
         doc.replay = {"reproduced": None, "first_divergence": None,
                       "reason": "a stall is reported, not replayed: the job was not halted"}
