@@ -41,7 +41,7 @@ import torch
 # fork (the dynamic loader's, during a C++ unwind in a gloo thread) would be
 # held forever in the child.
 from ..rundir import ReplayDir
-from ..runtime import crashsite
+from ..runtime import crashsite, supervisor
 from ..runtime.checksum import params_sum
 from ..runtime.control import AGREE_EVERY
 from ..runtime.seam import Rank
@@ -155,7 +155,10 @@ class ForkSnapshot:
                 _arm_stack_dump(rt)
                 _drop_shared_endpoints(keep={cmd_r, resp_w})
                 order, listener_w = _serve(rt, k, cmd_r, resp_w)
-                _enter_replay(rt, order, listener_w)
+                if order.get("op") == "resume":
+                    rt.resume_live(order)  # taken over as the live rank (watcher/rescue.py)
+                else:
+                    _enter_replay(rt, order, listener_w)
             except BaseException:
                 # A snapshot or a replay child that cannot do its job must
                 # never fall back into the training loop unsandboxed.
@@ -368,6 +371,10 @@ def _serve(rt: Rank, k: int, cmd_r: int, resp_w: int):
             retained = order
             _reply(resp_w, {"status": "retained"})
             continue
+        if order.get("op") == "resume":
+            if orphan:
+                orphan.leave()
+            return order, None
         if retained and not order.get("window_dir"):
             order["window_dir"] = retained["window_dir"]
         listener_r, listener_w = os.pipe()
@@ -390,6 +397,7 @@ def _serve(rt: Rank, k: int, cmd_r: int, resp_w: int):
                 json.dump({"pid": pid, "status": status, "exit_code": code}, out)
             os.replace(order["reply"] + ".tmp", order["reply"])
         if orphan and not retained:
+            orphan.leave()
             os._exit(0)  # the crash replay was the one thing to wait for
 
 
@@ -446,17 +454,28 @@ class _Orphan:
     """A snapshot whose rank is gone, taking orders from files."""
 
     def __init__(self, rt: Rank, k: int, retained: dict | None):
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(devnull, fd)
-        for fd in map(int, os.listdir("/proc/self/fd")):
-            if fd > 2:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
         self.rt, self.k, self.retained = rt, k, retained
         self.crash_order = rt.rundir.crash_order(rt.rank, k)
+        # Under a rescue (runtime/supervisor.py) this snapshot may become the
+        # live rank: it keeps the files the training code has open (its
+        # sockets and pipes were dropped at the fork) and says it is here.
+        self.rescuable = bool(os.environ.get(supervisor.PID_ENV)) and not retained
+        if self.rescuable:
+            try:
+                rt.rundir.rescue.mkdir(parents=True, exist_ok=True)
+                rt.rundir.rescue_orphan(rt.rank, k).touch()
+            except OSError:
+                self.rescuable = False
+        if not self.rescuable:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            for fd in map(int, os.listdir("/proc/self/fd")):
+                if fd > 2:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
         # Without retention only a crash replay can come, and soon.
         # On many nodes the crash order comes once every node's launcher has
         # seen its job end and heard from the others (watcher/launcher_link.py).
@@ -470,10 +489,17 @@ class _Orphan:
         orders = Path(self.retained["orders"]) if self.retained else None
         while time.monotonic() < self.deadline:
             for path in ([self.crash_order] + (sorted(orders.glob("*.json")) if orders else [])):
+                # Taken by renaming it away: served once, even when an audit's
+                # fork at the same step reads the same path.
+                mine = Path(f"{path}.taken{os.getpid()}")
                 try:
-                    with open(path) as f:
+                    os.rename(path, mine)
+                except OSError:
+                    continue
+                try:
+                    with open(mine) as f:
                         order = json.load(f)
-                    os.unlink(path)  # taken: served once
+                    os.unlink(mine)
                     return order
                 except (OSError, ValueError):
                     continue
@@ -482,6 +508,11 @@ class _Orphan:
 
     def leave(self) -> None:
         """The window copy served only this snapshot: remove it on the way out."""
+        if self.rescuable:
+            try:
+                os.unlink(self.rt.rundir.rescue_orphan(self.rt.rank, self.k))
+            except OSError:
+                pass
         if not self.retained:
             return
         for p in segment_paths(Path(self.retained["window_dir"]), self.rt.rank, self.k):

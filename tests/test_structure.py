@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"watcher": ROOT / "watcher", "watcher.bpf": ROOT / "bpf", "watcher.uprobes": ROOT / "uprobes",
             "watcher.replay": ROOT / "replay", "watcher.analysis": ROOT / "analysis"}
 # Modules replay may import from the runtime: they hold no rank state.
-RUNTIME_LEAVES = {"checksum", "collectives", "control", "crashsite", "native", "samples", "seam", "training", "window",
-                  "wordsum"}
+RUNTIME_LEAVES = {"checksum", "collectives", "control", "crashsite", "native", "samples", "seam", "supervisor",
+                  "training", "window", "wordsum"}
 # Fragments of the run directory's file names (watcher/rundir.py owns them).
 RUN_DIR_NAMES = ("steps.jsonl", "replayed.rank", "result.pt", "arrive.rank", "merged.rank", "plan.json",
                  "crash_replay", "quarantine.json", "outcome.json", "recovery.json", "done.json", "from-copy",

@@ -286,6 +286,9 @@ def run(
     health_dir: Optional[str] = typer.Option(None, "--health-dir", help="The node's device health ledger, shared by "
                                              "every run on the node: failures count across jobs, quarantined cores "
                                              "are left out of the launch, a node marked unusable refuses it (exit 8)."),
+    rescue: bool = typer.Option(False, "--rescue", help="A rank that dies (a signal, an OOM kill, an error exit) is "
+                                "replaced while the job runs: every rank resumes from its last snapshot on a rebuilt "
+                                "transport, and the launcher (torchrun) never sees the death. One node for now."),
 ):
     """Run a training command with recording, in-rank capture, snapshots, detectors and replay."""
     from .run import RunConfig, parse_detect, run as run_job
@@ -302,7 +305,7 @@ def run(
     cfg = RunConfig(cmd=list(cmd), out=Path(out) if out else Path(f"watcher-run-{time.strftime('%Y%m%d-%H%M%S')}"),
                     policy=policy, snapshot_budget=snapshot_budget, snapshot_interval=snapshot_interval,
                     copy_interval=copy_interval, detect=parse_detect(detect), replay_check=replay_check, retain_s=retain,
-                    audit_budget=audit_budget, health_dir=Path(health_dir) if health_dir else None)
+                    audit_budget=audit_budget, health_dir=Path(health_dir) if health_dir else None, rescue=rescue)
     result = run_job(cfg)
     print(f"Run directory {result.out}: {result.steps} steps recorded, {len(result.incidents)} incident(s). "
           f"Query: watcher sql {result.recording} \"SELECT * FROM step\"", file=sys.stderr)

@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .launcher_link import multi_node
+from .rescue import Rescuer
 from .rundir import RunDir, read_json
 from .runtime.control import Control, process_state
 
@@ -27,8 +28,10 @@ EVERY_S = 0.1
 
 
 class RankDeaths:
-    def __init__(self, run_dir: RunDir, ctl: Control):
+    def __init__(self, run_dir: RunDir, ctl: Control, rescue: bool = False):
         self.run_dir, self.ctl = run_dir, ctl
+        # `watcher run --rescue`: deaths the ranks' supervisors report are answered here (rescue.py).
+        self.rescuer = Rescuer(run_dir, ctl) if rescue else None
         self.known: dict[int, tuple[int, int]] = {}   # rank -> (pid, start ticks)
         self.gone: list[int] = []
         self.store = None
@@ -53,6 +56,9 @@ class RankDeaths:
 
     def check(self) -> list[int]:
         """Mark the ranks that died since the last look; returns them."""
+        if self.rescuer is not None and self.rescuer.poll(self.known):
+            # Every rank is a new process now, none of them gone.
+            self.known, self.gone = {}, []
         for rank, path in self.run_dir.rank_process_files():
             if rank not in self.known:
                 try:

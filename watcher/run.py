@@ -34,7 +34,7 @@ from .incident import Incident, load_incidents, save_incident
 from .privileges import require_bcc, require_bpf_privileges
 from .rank_deaths import RankDeaths
 from .rundir import RunDir, read_json, write_json
-from .runtime import crashsite, wordsum
+from .runtime import crashsite, supervisor, wordsum
 from .runtime.control import PAUSE_RECORDER, SIZE, Control
 from .session import Session, SessionConfig
 from .store import Recordings, causal_link_rows, count_steps, incident_row, write_run_tables
@@ -60,6 +60,7 @@ class RunConfig:
     retain_s: float = 300.0             # a persistent incident's snapshots outlive the run this long
     audit_budget: float = 0.5           # percent of the job's time the background SDC audit may use; 0 is off
     health_dir: Path | None = None      # the node's device health ledger (health.py); None: this run's only
+    rescue: bool = False                # a rank that dies is replaced while the job runs (rescue.py)
     quiet: bool = False
 
     def validate(self) -> None:
@@ -104,6 +105,10 @@ class RunConfig:
             env.pop("WATCHER_REPLAY_CHECK", None)
         if self.detect:
             env["WATCHER_DETECT"] = json.dumps(self.detect)
+        if self.rescue:
+            env[supervisor.ENV] = "1"
+        else:
+            env.pop(supervisor.ENV, None)
         if self.inject:
             env["WATCHER_INJECT"] = json.dumps(self.inject)
         else:
@@ -179,7 +184,7 @@ def run(cfg: RunConfig) -> RunResult:
     env["WATCHER_WINDOW_DIR"] = str(window_dir)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
-    deaths = RankDeaths(run_dir, ctl).start()  # so no rank waits for a dead peer
+    deaths = RankDeaths(run_dir, ctl, rescue=cfg.rescue).start()  # so no rank waits for a dead peer
     t_job = time.monotonic()
     ledger = health.Ledger(run_dir.root, cfg.health_dir)
     signals_at_start = _health_signals(ledger, run_dir, None)

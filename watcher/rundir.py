@@ -13,7 +13,10 @@ the ranks, the replays, the launcher side and the readers all go through
     DIR/runtime/rank<r>.audits.jsonl     a rank's SDC audits, one line each (runtime/audit.py)
     DIR/runtime/rank<r>.preflight.json   what `watcher preflight` learned inside rank r
     DIR/runtime/incident.<seq>.json      an incident as opened by a rank (kind, step, halt step)
-    DIR/runtime/crash_replay.rank<r>.step<k>.json   a replay order for an orphaned snapshot
+    DIR/runtime/crash_replay.rank<r>.step<k>.json   a replay (or resume) order for an orphaned snapshot
+    DIR/runtime/rescue/death.rank<r>.pid<p>.json    a rank's death, said by its supervisor (runtime/supervisor.py)
+    DIR/runtime/rescue/fate.rank<r>.pid<p>.json     the launcher's answer: replace or let go (rescue.py)
+    DIR/runtime/rescue/orphan.rank<r>.step<k>       a snapshot of rank r at step k, orphaned and awaiting orders
     DIR/incidents/<id>.json              the incident document (watcher/incident.py), one writer
     DIR/incidents/<id>/                  the incident's replays (a ReplayDir), with
         from-copy/                       the replay from a state copy (a ReplayDir)
@@ -352,6 +355,23 @@ class RunDir:
 
     def crash_order(self, rank: int, step: int) -> Path:
         return self.runtime / f"crash_replay.rank{rank}.step{step}.json"
+
+    # -- rescue (watcher run --rescue: runtime/supervisor.py, rescue.py) ------------------------
+    @property
+    def rescue(self) -> Path:
+        return self.runtime / "rescue"
+
+    def rescue_death(self, rank: int, pid: int) -> Path:
+        return self.rescue / f"death.rank{rank}.pid{pid}.json"
+
+    def rescue_deaths(self) -> list[Path]:
+        return sorted(self.rescue.glob("death.rank*.json"))
+
+    def rescue_fate(self, rank: int, pid: int) -> Path:
+        return self.rescue / f"fate.rank{rank}.pid{pid}.json"
+
+    def rescue_orphan(self, rank: int, step: int) -> Path:
+        return self.rescue / f"orphan.rank{rank}.step{step}"
 
     # -- incidents ----------------------------------------------------------------------------
     def incident_path(self, incident_id: str) -> Path:

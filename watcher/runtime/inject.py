@@ -151,6 +151,15 @@ def _arm_one(rt, f: dict) -> None:
         if rt.mode != "live" or fired["n"] or not mine():
             return False
         fired["n"] = 1
+        # Once per job, not per process: a rank resumed from a snapshot taken
+        # before the fault (watcher run --rescue) must not meet it again.
+        try:
+            os.close(os.open(rt.rundir.drill_file(f"fired.{kind}.rank{rank}.step{step}"),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return False
+        except OSError:
+            pass  # no run directory to mark: once per process, as before
         return True
 
     if kind == "grad_bitflip":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import datetime
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ from ..replay.protocol import handle_incident
 from ..replay.snapshot import ForkSnapshot, SnapshotPolicy
 from ..replay.state_copy import CopyPolicy, StateCopies
 from ..rundir import STOP_EXIT_CODE, RunDir, write_json
-from . import collectives, crashsite, inject, relink, remedies, transport
+from . import collectives, crashsite, inject, relink, remedies, supervisor, transport
 from .audit import Audit
 from .checksum import PARTS, ParamChecksum, ReducedGradNorm, object_sum, rng_digest, tensors_sum
 from .collectives import computed_in_replay
@@ -63,6 +64,34 @@ RUNTIME: "RankRuntime | None" = None
 
 # How long a rank's exit waits for the audits of the windows it recorded last (audit.py).
 AUDIT_EXIT_WAIT_S = 60.0
+# How long a resumed rank waits for its peers to rebuild each group (resume_live).
+RESCUE_JOIN_S = 60.0
+# Transports replaced by a rescue: never destroyed (their threads died with the old process).
+_FORSAKEN: list = []
+
+
+def _comm() -> str:
+    try:
+        with open("/proc/self/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "python"
+
+
+def _reopen_stdio(supervisor_pid: int) -> None:
+    """A snapshot's standard streams that were pipes are /dev/null (dropped
+    at its fork): open them again where the supervisor's still point."""
+    if not supervisor_pid:
+        return
+    for fd, mode in ((0, os.O_RDONLY), (1, os.O_WRONLY | os.O_APPEND), (2, os.O_WRONLY | os.O_APPEND)):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != os.devnull:
+                continue
+            new = os.open(f"/proc/{supervisor_pid}/fd/{fd}", mode)
+        except OSError:
+            continue
+        os.dup2(new, fd)
+        os.close(new)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -99,6 +128,10 @@ class RankRuntime:
         self.retained: list = []      # a persistent incident's snapshot, kept out of rotation for diagnosis
         self.last_end_ns = None
         self.last_coll_done_ns = 0    # a collective completing is progress too (stall.py)
+        self.store = None             # the job's store after a rescue (resume_live); else c10d's
+        self.resumed = False          # set in a snapshot taken over as the live rank, until it leaves step_end
+        self.snapshot_next = False    # take a snapshot at the next step end, whatever the interval
+        self.comm = _comm()
         # Time the rank spent in Watcher's own code since the last step was
         # logged (hooks, checksums, captures, snapshots): `watcher_us` per step,
         # what Watcher costs the job, measured where it is spent.
@@ -504,7 +537,9 @@ class RankRuntime:
             except Exception:
                 self.link.errors += 1
         open_incident = self.ctl.incident_seq > self.handled_seq
-        fork_due = not open_incident and self.unsupported is None and self.snap_policy.due(k, self)
+        fork_due = not open_incident and self.unsupported is None and (self.snap_policy.due(k, self)
+                                                                       or self.snapshot_next)
+        self.snapshot_next = False
         if (not fork_due and not open_incident and self.copies is not None and self.snapshots
                 and self.copies.off_reason is None and self.copy_policy.due(k, self, self.copies)):
             if self.copies.take(self, k):
@@ -513,8 +548,9 @@ class RankRuntime:
         if fork_due:
             fp["param_sum_full"] = self.param_sum(self.params())  # so is the snapshot
             self.take_snapshot(k)
-            if self.mode != "live":
-                return  # a replay child, woken from this snapshot: back to the training loop
+            if self.mode != "live" or self.resumed:
+                self.resumed = False
+                return  # a replay child, or the rank resumed, woken from this snapshot: back to the training loop
             fp["snapshot"] = True
             snap = self.snapshots[-1]
             fp["fork_ms"] = round(snap.fork_ns / 1e6, 3)
@@ -531,7 +567,8 @@ class RankRuntime:
                 fp["param_sum_full"] = self.param_sum(self.params())  # an audit's fork is verified whole too
             snap = self.take_fork(k)
             if snap is None:
-                return  # a replay child, woken from this fork: back to the training loop
+                self.resumed = False
+                return  # a replay child (or the rank resumed), woken from this fork: back to the training loop
             self.audit.add_fork(k, snap)
             fp["audit_fork"] = True
         if self.snapshot_mb is not None:
@@ -776,6 +813,60 @@ class RankRuntime:
         self.mode = "replay"
         self.disabled = False
 
+    def resume_live(self, order: dict) -> None:
+        """This process, a snapshot of the rank at `self.step`, becomes the
+        live rank (watcher/rescue.py: every rank of the job does the same from
+        its snapshot at that step, the dead one's included).  What the fork did
+        not carry is rebuilt: the threads (the watchdog, the window's writer),
+        the locks they might have held, the job's store connection and every
+        watched group's transport (a fresh gloo group under the rescue's own
+        store prefix).  The old transports are kept, never destroyed: their
+        threads exist only in the dead process."""
+        _reopen_stdio(int(os.environ.get(supervisor.PID_ENV) or 0))
+        try:
+            with open("/proc/self/comm", "w") as f:
+                f.write(self.comm)
+        except OSError:
+            pass
+        self._lock, self.claim_lock = threading.Lock(), threading.Lock()
+        self.seg.after_fork()
+        self.waiting, self.pending, self.retries, self.in_flight = {}, [], [], 0
+        self.callbacks_held = set()
+        self.done_colls, self.batch_sums = [], []
+        self.last_end_ns, self.last_coll_done_ns = None, 0
+        self.stalls, self.stragglers = StallWatch(self), StragglerWatch(self)
+        self.restart_history()  # the snapshots held were the dead timeline's
+        self.resnapshot = False
+        self.snapshot_next = True  # a snapshot of the new timeline at its first step end
+        self.audit = Audit.from_env(self)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=RESCUE_JOIN_S))
+        self.store = store
+        for g in self.groups:
+            before = transport.socket_inodes()
+            new = dist.ProcessGroupGloo(dist.PrefixStore(f"{order['prefix']}{g.gid}/", store), g.inner.rank(),
+                                        g.inner.size(), datetime.timedelta(seconds=RESCUE_JOIN_S))
+            # Never destroyed, not even at exit: its destructor would join
+            # threads that exist only in the dead process.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(g.inner))
+            _FORSAKEN.append(g.inner)
+            g.replace_inner(new)
+            g.sockets = transport.opened_since(before)
+        self.handled_seq = self.claimed_seq = self.ctl.incident_seq
+        self.ctl.arrive(self.rank, 0, self.step)  # no longer gone
+        me = process_state(os.getpid())
+        write_json(self.rundir.rank_process(self.rank), {"pid": os.getpid(), "start_ticks": me and me[1],
+                                                          "rescue": order.get("attempt")})
+        self.mode, self.disabled, self.resumed = "live", False, True
+        self.watchdog = threading.Thread(target=self._watchdog, name="watcher-watchdog", daemon=True)
+        self.watchdog.start()
+        print(f"watcher: rank {self.rank} resumed from its step-{self.step} snapshot (pid {os.getpid()}, "
+              f"rescue {order.get('attempt')})", file=sys.stderr, flush=True)
+
+    def job_store(self):
+        """The job's store: the one c10d made, or the rescue's connection once it replaced it."""
+        return self.store if self.store is not None else c10d._get_default_store()
+
     # -- hang watchdog ----------------------------------------------------------------------------
     def _watchdog(self) -> None:
         while not self.disabled and self.mode == "live":
@@ -859,7 +950,7 @@ class RankRuntime:
                 continue
             if not relink.can_relink(self, group):
                 continue
-            store = c10d._get_default_store()
+            store = self.job_store()
             prefix = f"watcher/stuck/{group.gid}/{meta['seq']}/"
             if not meta.get("said_stuck"):
                 store.set(prefix + str(group.inner.rank()), "1")
@@ -1050,6 +1141,9 @@ def install() -> None:
     global RUNTIME
     if RUNTIME is not None:
         return
+    if supervisor.wanted():
+        # The launcher's process stays a supervisor; this one goes on as the rank.
+        supervisor.split(RunDir(Path(os.environ["WATCHER_RUN_DIR"])))
     RUNTIME = RankRuntime(Path(os.environ["WATCHER_RUN_DIR"]))
     register_optimizer_step_post_hook(_guard(lambda rt, opt, args, kwargs: rt.on_optimizer_step(opt)))
 

@@ -25,14 +25,15 @@ code as it would have, and the incident says why.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
 from ..incident import Incident, save_incident
-from . import transport
+from ..rundir import read_json
+from . import supervisor, transport
 from .checksum import tensors_sum
 
 JOIN_TIMEOUT_S = 60.0
@@ -56,7 +57,7 @@ def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseEx
     retried work's result.  Raises `error` when it cannot.  `saved` is a copy
     of the inputs as issued, for a reduction the failure interrupted midway."""
     t0 = time.monotonic_ns()
-    store = c10d._get_default_store()
+    store = rt.job_store()
     prefix = f"watcher/relink/{group.gid}/{meta['seq']}/"
     me, size = group.inner.rank(), group.inner.size()
     intact = tensors_sum(ins) == meta["in_sum"]
@@ -68,6 +69,8 @@ def relink(rt, group, op: str, args: tuple, meta: dict, ins: list, error: BaseEx
     store.set(f"{prefix}intact/{me}", "1" if intact else "0")
     keys = [f"{prefix}intact/{r}" for r in range(size)]
     why, died = _await_members(rt, store, keys, group.ranks)
+    if died:
+        _wait_for_rescue(rt, group.ranks)  # returns only if the death is let go
     if why is None and not all(store.get(k) == b"1" for k in keys):
         why = "the failed operation modified a member's inputs: the collective cannot be retried"
     if why is None:
@@ -101,8 +104,34 @@ def _await_members(rt, store, keys: list[str], ranks: list[int]) -> tuple[str | 
                 return f"not every member of the group joined the rebuild within {JOIN_TIMEOUT_S:g} s", False
             time.sleep(0.02)
     except Exception as e:
+        # The store itself may be gone with the launcher, tearing the job down
+        # after a member's death: that death is still the failure.
+        dead = [g for g in ranks if rt.ctl.gone(g)]
+        if dead:
+            return f"rank {dead[0]} died: the group cannot be rebuilt without it", True
         return f"not every member of the group joined the rebuild: {e}", False
     return None, False
+
+
+def _wait_for_rescue(rt, ranks: list[int]) -> None:
+    """Under `watcher run --rescue` a member's death may be undone: every rank
+    of the job is then replaced from its snapshot (watcher/rescue.py), this
+    process included, which the launcher side ends.  Wait for that; return
+    if the launcher lets the death go (the failure then reaches training)."""
+    if not os.environ.get(supervisor.PID_ENV):
+        return
+    deadline = time.monotonic() + supervisor.FATE_WAIT_S + supervisor.REPLACE_WAIT_S
+    while time.monotonic() < deadline:
+        for g in ranks:
+            if not rt.ctl.gone(g):
+                continue
+            try:
+                pid = read_json(rt.rundir.rank_process(g))["pid"]
+                if read_json(rt.rundir.rescue_fate(g, pid)).get("fate") != "replace":
+                    return
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # no word yet
+        time.sleep(0.05)
 
 
 def _record(rt, group, meta: dict, error: BaseException, why: str | None, t0: int) -> None:

@@ -9,7 +9,7 @@ requests below, carried out by the runtime.  tests/test_structure.py holds
 replay to this list.
 
 Replay may also import the runtime's leaf modules, which hold no rank state:
-checksum, collectives (its public names), control, crashsite, training, window, wordsum.
+checksum, collectives (its public names), control, crashsite, supervisor, training, window, wordsum.
 """
 
 from __future__ import annotations
@@ -77,6 +77,10 @@ class Rank(Protocol):
 
     def enter_replay(self, state) -> None:
         """In a replay child: run the training loop in replay mode, served by `state`."""
+
+    def resume_live(self, order: dict) -> None:
+        """In a snapshot taken over as the live rank (watcher/rescue.py): rejoin
+        the job on a rebuilt transport and go on training from the snapshot's step."""
 
     def restore_counters(self, counters: dict) -> None:
         """In a replay child: step, batch and collective counters as of a state copy."""

@@ -58,6 +58,15 @@ class SegmentWriter:
         self.tag = 0                    # the current segment's first step
         self.offset = 0                 # where its next record goes
 
+    def after_fork(self) -> None:
+        """In a forked copy that goes on writing (a rescued rank): the writer
+        thread and whatever it held stayed in the parent."""
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.idle = threading.Condition(self.lock)
+        self.queue.clear()
+        self.thread, self.writing, self.pending_writes = None, False, 0
+
     def start(self, from_step: int) -> None:
         path = self.dir / f"rank{self.rank}.seg{from_step}.pkl"
         self.flush()

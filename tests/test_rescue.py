@@ -1,0 +1,121 @@
+"""`watcher run --rescue`: a rank that dies is replaced while the job runs.
+
+The ground truth is a fault-free run of the same job: after a rank is
+killed from outside (SIGKILL, as the OOM killer or an operator would), the
+job must finish under the same launcher with bit-identical parameters, and
+no checkpoint is ever opened (the reference job here has none)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .conftest import ROOT, needs_bpf, query
+from .test_run import plain, plain_reference, reference  # noqa: F401 (fixture)
+
+STEPS = 200
+# The processes the launcher started, one per rank: they never die while their rank is replaced.
+LAUNCHED = ("SELECT p.rank, p.exit_code, p.exit_signal FROM process p LEFT JOIN process parent "
+            "ON parent.upid = p.parent_upid WHERE p.rank IS NOT NULL AND parent.rank IS NULL ORDER BY p.rank")
+
+
+def _logged_step(run: Path, rank: int) -> int:
+    try:
+        lines = (run / "runtime" / f"rank{rank}.steps.jsonl").read_text().splitlines()
+    except OSError:
+        return -1
+    steps = [json.loads(x)["step"] for x in lines[-50:] if x.startswith("{") and '"seq"' not in x and x.endswith("}")]
+    return max(steps, default=-1)
+
+
+def _start(tmp: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "watcher.cli", "run", "--rescue", "--out", str(tmp / "run"),
+                             "--snapshot-interval", "4", "--copy-interval", "0", *extra, "--",
+                             *reference(tmp / "w.pt", STEPS)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(proc: subprocess.Popen, run: Path, rank: int, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while _logged_step(run, rank) < step:
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"rank {rank} never reached step {step}"
+        time.sleep(0.01)
+
+
+@needs_bpf
+def test_a_rank_killed_from_outside_is_replaced_and_the_job_ends_as_if_it_never_died(tmp_path):
+    plain(reference(tmp_path / "p.pt", STEPS), tmp_path)
+    run = tmp_path / "run"
+    proc = _start(tmp_path)
+    _wait_for_step(proc, run, 1, 60)
+    victim = json.loads((run / "runtime" / "rank1.process.json").read_text())["pid"]
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "w.pt.sha256").read_text() == (tmp_path / "p.pt.sha256").read_text()
+    incidents = sorted((run / "incidents").glob("inc-*.json"))
+    assert len(incidents) == 1, [json.loads(p.read_text())["kind"] for p in incidents]
+    inc = json.loads(incidents[0].read_text())
+    assert (inc["kind"], inc["detected_rank"], inc["detail"]["exit_signal"], inc["detail"]["pid"]) == \
+        ("crash", 1, signal.SIGKILL, victim)
+    assert (inc["classification"], inc["recovered"], inc["steps_lost"], inc["replay"]["reproduced"]) == \
+        ("transient", True, 0, False)
+    died, start = inc["detected_step"], inc["window"]["from_step"]
+    assert 60 < died <= STEPS and start % 4 == 0 and died - 8 <= start < died
+    assert inc["resumed_at_step"] == start + 1
+    # Every rank was replaced by its own snapshot at that step: new processes, the launcher's untouched.
+    for r in (0, 1):
+        p = json.loads((run / "runtime" / f"rank{r}.process.json").read_text())
+        assert p["rescue"] == 1 and p["pid"] != (victim if r == 1 else None)
+    assert f"every rank resumed from step {start}" in err
+    rec = run / "recording.duckdb"
+    assert query(rec, LAUNCHED) == [(0, 0, None), (1, 0, None)]
+    assert query(rec, "SELECT count(*) FROM process WHERE cmdline LIKE '%torch.distributed.run%'") == [(1,)]
+    # Each step is in the record once per rank, the re-executed ones as they ran the second time.
+    assert query(rec, "SELECT rank, count(DISTINCT step), max(step) FROM step GROUP BY 1 ORDER BY 1") == \
+        [(0, STEPS, STEPS - 1), (1, STEPS, STEPS - 1)]
+
+
+@needs_bpf
+def test_a_native_crash_that_happens_once_is_rescued_bit_identically(tmp_path, plain_reference):
+    """Rank 1 writes through a null pointer at step 12, once (the drill's
+    `segv_once`): the ranks resume from their step-8 snapshots, step 12 passes
+    the second time, and the job ends as the fault-free one did."""
+    from watcher.run import RunConfig, run
+
+    res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True, snapshot_interval=4,
+                        copy_interval=0, rescue=True, inject={"scenario": "segv_once", "rank": 1, "step": 12}))
+    assert res.exit_code == 0
+    assert (tmp_path / "w.pt.sha256").read_text() == plain_reference
+    (inc,) = res.incidents
+    assert (inc["kind"], inc["detected_rank"], inc["detected_step"], inc["window"]["from_step"]) == ("crash", 1, 12, 8)
+    assert (inc["classification"], inc["recovered"], inc["resumed_at_step"]) == ("transient", True, 9)
+    assert inc["detail"]["exit_signal"] == signal.SIGSEGV
+
+
+@needs_bpf
+def test_a_native_crash_that_comes_back_after_a_rescue_is_persistent_and_not_rescued_twice(tmp_path):
+    """The same null write at step 12, every time: the rescued ranks die there
+    again the same way, so the death is let go (one rescue, not two) and the
+    crash is replayed and diagnosed after the job, as without --rescue."""
+    from watcher.run import RunConfig, run
+
+    res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True, snapshot_interval=4,
+                        copy_interval=0, rescue=True, inject={"scenario": "segv", "rank": 1, "step": 12}))
+    assert res.exit_code != 0
+    first, second = sorted(res.incidents, key=lambda i: i["incident_id"])
+    assert (first["kind"], first["detected_step"], first["classification"], first["replay"]["reproduced"]) == \
+        ("crash", 12, "persistent", True)
+    assert first["recovery"]["rescue"] == 1
+    assert (second["kind"], second["detected_rank"], second["detected_step"], second["classification"]) == \
+        ("crash", 1, 12, "persistent")
+    assert (second["replay"]["crashed_again"], second["replay"]["replay_signal"]) == (True, "SIGSEGV")
+    assert (second["attribution"]["cause"], second["prescription"]["action"]) == ("software", "fix_kernel")
+    fates = sorted(p.name for p in (tmp_path / "run" / "runtime" / "rescue").glob("fate.rank1.*"))
+    assert len(fates) == 2  # replaced once, let go once

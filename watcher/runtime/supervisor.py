@@ -1,0 +1,157 @@
+"""A rank's stand-in before its launcher: the process torchrun started stays
+alive while Watcher replaces the rank under it.
+
+A launcher (torchrun, Lightning's, srun) watches the processes it started:
+the moment one dies it tears the whole job down.  Under `watcher run
+--rescue` each rank splits in two as soon as it has imported torch: the
+process the launcher knows becomes this supervisor, and its child goes on as
+the rank.  When the rank dies of itself (a signal, an error exit), the
+supervisor reports the death (DIR/runtime/rescue/) and waits for the
+launcher side's word (watcher/rescue.py): either a replacement, a process
+that now names itself rank r in DIR/runtime/rank<r>.process.json (a snapshot
+of the rank taken over, replay/snapshot.py), which it then watches instead;
+or "let go", and it ends exactly as the rank did (the same signal, or the
+same exit code), so the launcher sees what it would have seen without it.
+
+The supervisor is the nearest subreaper of everything below it: the rank's
+snapshots, orphaned by the rank's death, become its children, so a
+replacement taken from one is a process it can wait for.  Signals the
+launcher sends (SIGTERM at teardown) are passed on to the live rank; a death
+after one is the launcher's doing and never rescued.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+from ..rundir import STOP_EXIT_CODE, RunDir, read_json, write_json
+
+ENV = "WATCHER_RESCUE"
+PID_ENV = "WATCHER_SUPERVISOR_PID"
+PR_SET_CHILD_SUBREAPER = 36
+FATE_WAIT_S = 30.0       # the launcher side answers a death report within a second; this is its outer bound
+REPLACE_WAIT_S = 120.0   # from "replace" to the replacement naming itself
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+TEARDOWN = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def wanted() -> bool:
+    """A rank of a `watcher run --rescue` job, not yet split."""
+    return (os.environ.get(ENV) == "1" and os.environ.get(PID_ENV) is None
+            and "RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def split(run_dir: RunDir) -> None:
+    """Fork: the child returns and goes on as the rank; this process becomes
+    its supervisor and never returns."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except OSError:
+        return  # without it a replacement could not be waited for: no split, no rescue
+    sys.stdout.flush()
+    sys.stderr.flush()
+    me = os.getpid()
+    child = os.fork()
+    if child == 0:
+        os.environ[PID_ENV] = str(me)
+        return
+    try:
+        Supervisor(run_dir, int(os.environ["RANK"]), child).run()
+    finally:
+        os._exit(70)  # never back into the user's program
+
+
+class Supervisor:
+    def __init__(self, run_dir: RunDir, rank: int, child: int):
+        self.run_dir, self.rank, self.live = run_dir, rank, child
+        self.teardown = False
+
+    def run(self) -> None:
+        try:
+            with open("/proc/self/comm", "w") as f:
+                f.write(f"w-super-{self.rank}"[:15])
+        except OSError:
+            pass
+        for sig in FORWARDED:
+            signal.signal(sig, self._forward)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                os._exit(70)  # nothing left to wait for: cannot happen while the rank lives
+            if pid != self.live:
+                continue  # a snapshot or replay of the rank, adopted when the rank died
+            nxt = self._replacement(status)
+            if nxt is None:
+                _end_like(status)
+            self.live = nxt
+
+    def _forward(self, sig, _frame) -> None:
+        if sig in TEARDOWN:
+            self.teardown = True
+        try:
+            os.kill(self.live, sig)
+        except OSError:
+            pass
+
+    def _replacement(self, status: int) -> int | None:
+        """The process now standing in for the rank, or None: let it go."""
+        code = os.waitstatus_to_exitcode(status)
+        if code in (0, STOP_EXIT_CODE) or self.teardown:
+            return None
+        dead = self.live
+        write_json(self.run_dir.rescue_death(self.rank, dead),
+                   {"rank": self.rank, "pid": dead, "exit_code": code if code >= 0 else None,
+                    "signal": -code if code < 0 else None, "unix": time.time()})
+        fate = _wait_for(lambda: _read(self.run_dir.rescue_fate(self.rank, dead)), FATE_WAIT_S)
+        if not fate or fate.get("fate") != "replace" or self.teardown:
+            return None
+
+        def named():
+            p = _read(self.run_dir.rank_process(self.rank))
+            return p["pid"] if p and p.get("pid") not in (None, dead) and _is_child(p["pid"]) else None
+
+        return _wait_for(named, REPLACE_WAIT_S, stop=lambda: self.teardown)
+
+
+def _read(path):
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for(get, timeout: float, stop=lambda: False):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop():
+        v = get()
+        if v:
+            return v
+        time.sleep(0.05)
+    return None
+
+
+def _is_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return ppid == os.getpid()
+
+
+def _end_like(status: int) -> None:
+    """End as the rank ended: the launcher reads the same death."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)
+        time.sleep(1)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 70)
