@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .conftest import ROOT, needs_bpf, query
-from .test_run import plain, plain_reference, reference  # noqa: F401 (fixture)
+from .test_run import LIGHTNING, plain, plain_reference, reference  # noqa: F401,F811 (fixture)
 
 STEPS = 200
 # The processes the launcher started, one per rank: they never die while their rank is replaced.
@@ -33,11 +33,37 @@ def _logged_step(run: Path, rank: int) -> int:
     return max(steps, default=-1)
 
 
-def _start(tmp: Path, *extra: str) -> subprocess.Popen:
+def _start(tmp: Path, cmd: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "watcher.cli", "run", "--rescue", "--out", str(tmp / "run"),
-                             "--snapshot-interval", "4", "--copy-interval", "0", *extra, "--",
-                             *reference(tmp / "w.pt", STEPS)],
+                             "--snapshot-interval", "4", "--copy-interval", "0", "--", *cmd],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _kill_rank(proc: subprocess.Popen, run: Path, rank: int, at_step: int) -> int:
+    """SIGKILL rank `rank`'s process from outside once it has logged `at_step`; its pid."""
+    _wait_for_step(proc, run, rank, at_step)
+    victim = json.loads((run / "runtime" / f"rank{rank}.process.json").read_text())["pid"]
+    os.kill(victim, signal.SIGKILL)
+    return victim
+
+
+def _the_rescue(run: Path, victim: int, died_after: int) -> dict:
+    """The one incident: the death, replaced from a snapshot, judged transient."""
+    incidents = sorted((run / "incidents").glob("inc-*.json"))
+    assert len(incidents) == 1, [json.loads(p.read_text())["kind"] for p in incidents]
+    inc = json.loads(incidents[0].read_text())
+    assert (inc["kind"], inc["detected_rank"], inc["detail"]["exit_signal"], inc["detail"]["pid"]) == \
+        ("crash", 1, signal.SIGKILL, victim)
+    assert (inc["classification"], inc["recovered"], inc["steps_lost"], inc["replay"]["reproduced"]) == \
+        ("transient", True, 0, False)
+    died, start = inc["detected_step"], inc["window"]["from_step"]
+    assert died > died_after and start % 4 == 0 and died - 8 <= start < died
+    assert inc["resumed_at_step"] == start + 1
+    # Every rank was replaced by its own snapshot at that step: new processes, the launcher's untouched.
+    for r in (0, 1):
+        p = json.loads((run / "runtime" / f"rank{r}.process.json").read_text())
+        assert p["rescue"] == 1 and p["pid"] != victim
+    return inc
 
 
 def _wait_for_step(proc: subprocess.Popen, run: Path, rank: int, step: int, timeout: float = 120) -> None:
@@ -52,28 +78,13 @@ def _wait_for_step(proc: subprocess.Popen, run: Path, rank: int, step: int, time
 def test_a_rank_killed_from_outside_is_replaced_and_the_job_ends_as_if_it_never_died(tmp_path):
     plain(reference(tmp_path / "p.pt", STEPS), tmp_path)
     run = tmp_path / "run"
-    proc = _start(tmp_path)
-    _wait_for_step(proc, run, 1, 60)
-    victim = json.loads((run / "runtime" / "rank1.process.json").read_text())["pid"]
-    os.kill(victim, signal.SIGKILL)
+    proc = _start(tmp_path, reference(tmp_path / "w.pt", STEPS))
+    victim = _kill_rank(proc, run, 1, 60)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert (tmp_path / "w.pt.sha256").read_text() == (tmp_path / "p.pt.sha256").read_text()
-    incidents = sorted((run / "incidents").glob("inc-*.json"))
-    assert len(incidents) == 1, [json.loads(p.read_text())["kind"] for p in incidents]
-    inc = json.loads(incidents[0].read_text())
-    assert (inc["kind"], inc["detected_rank"], inc["detail"]["exit_signal"], inc["detail"]["pid"]) == \
-        ("crash", 1, signal.SIGKILL, victim)
-    assert (inc["classification"], inc["recovered"], inc["steps_lost"], inc["replay"]["reproduced"]) == \
-        ("transient", True, 0, False)
-    died, start = inc["detected_step"], inc["window"]["from_step"]
-    assert 60 < died <= STEPS and start % 4 == 0 and died - 8 <= start < died
-    assert inc["resumed_at_step"] == start + 1
-    # Every rank was replaced by its own snapshot at that step: new processes, the launcher's untouched.
-    for r in (0, 1):
-        p = json.loads((run / "runtime" / f"rank{r}.process.json").read_text())
-        assert p["rescue"] == 1 and p["pid"] != (victim if r == 1 else None)
-    assert f"every rank resumed from step {start}" in err
+    inc = _the_rescue(run, victim, 60)
+    assert f"every rank resumed from step {inc['window']['from_step']}" in err
     rec = run / "recording.duckdb"
     assert query(rec, LAUNCHED) == [(0, 0, None), (1, 0, None)]
     assert query(rec, "SELECT count(*) FROM process WHERE cmdline LIKE '%torch.distributed.run%'") == [(1,)]
@@ -119,3 +130,21 @@ def test_a_native_crash_that_comes_back_after_a_rescue_is_persistent_and_not_res
     assert (second["attribution"]["cause"], second["prescription"]["action"]) == ("software", "fix_kernel")
     fates = sorted(p.name for p in (tmp_path / "run" / "runtime" / "rescue").glob("fate.rank1.*"))
     assert len(fates) == 2  # replaced once, let go once
+
+
+@needs_bpf
+def test_a_lightning_rank_killed_from_outside_is_replaced_and_the_fit_ends_as_if_it_never_died(tmp_path):
+    """Lightning's launcher is rank 0 itself, and it watches the rank it
+    started (a child that dies takes the job down): both stay up while
+    every rank resumes from its snapshot."""
+    steps = 160
+    plain([sys.executable, LIGHTNING, "--steps", str(steps), "--save", str(tmp_path / "plain.sha")], tmp_path)
+    run = tmp_path / "run"
+    proc = _start(tmp_path, [sys.executable, LIGHTNING, "--steps", str(steps), "--save", str(tmp_path / "w.sha")])
+    victim = _kill_rank(proc, run, 1, 50)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "w.sha").read_text() == (tmp_path / "plain.sha").read_text()
+    _the_rescue(run, victim, 50)
+    assert query(run / "recording.duckdb", "SELECT rank, count(DISTINCT step), max(step) FROM step GROUP BY 1 "
+                                           "ORDER BY 1") == [(0, steps, steps - 1), (1, steps, steps - 1)]

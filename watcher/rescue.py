@@ -29,10 +29,13 @@ if it does; persistent if the rank dies there again the same way.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
 import time
+
+import torch.distributed as dist
 
 from .incident import Incident, load_incident, save_incident
 from .launcher_link import multi_node
@@ -50,6 +53,7 @@ class Rescuer:
         self.attempts: list[dict] = []   # every rescue made: rank, signal, exit code, step, incident
         self.pending: dict | None = None  # a rescue whose verdict waits for the job to pass the step
         self.let_go: str | None = None    # once a death is let go the job is going down: no rescue after it
+        self.store = None                 # hosted here from the first rescue on (_store)
         run_dir.rescue.mkdir(parents=True, exist_ok=True)
 
     def poll(self, known: dict[int, tuple]) -> bool:
@@ -159,9 +163,11 @@ class Rescuer:
         orphans = [self.run_dir.rescue_orphan(r, step) for r in range(world)]
         ok = _wait(lambda: all(p.exists() for p in orphans), SNAPSHOT_WAIT_S)
         if ok:
+            host, port = self._store()
             for r in range(world):
                 write_json(self.run_dir.crash_order(r, step),
-                           {"op": "resume", "attempt": attempt, "prefix": f"watcher/rescue/{attempt}/"})
+                           {"op": "resume", "attempt": attempt, "prefix": f"watcher/rescue/{attempt}/",
+                            "store": [host, port]})
             old = {r: pid for r, (pid, _) in known.items()}
             ok = _wait(lambda: all(_named_pid(self.run_dir, r) not in (None, old.get(r)) for r in range(world)),
                        RESUME_WAIT_S)
@@ -170,13 +176,25 @@ class Rescuer:
         self._write_incident(rec, ok)
         self.ctl.verdict_seq = max(self.ctl.verdict_seq, seq)
         if not ok:
-            print(f"watcher: rescue {attempt} failed: not every rank resumed from its step-{step} snapshot",
-                  file=sys.stderr, flush=True)
+            why = f"rescue {attempt} failed: not every rank resumed from its step-{step} snapshot"
+            self.let_go = why
+            for r, pid in dict(survivors, **{dead: death["pid"]}).items():
+                write_json(self.run_dir.rescue_fate(r, pid), {"fate": "let_go", "reason": why})
+            print(f"watcher: {why}", file=sys.stderr, flush=True)
             return False
         self.pending = rec
         print(f"watcher: every rank resumed from step {step} in {rec['detect_to_resume_s']:.2f} s; the job goes on",
               file=sys.stderr, flush=True)
         return True
+
+    def _store(self) -> tuple[str, int]:
+        """Where the resumed ranks meet: a store this process hosts for the
+        rest of the job.  The job's own may have died with a rank (Lightning's
+        rank 0 hosts it), and this one outlives every rank."""
+        if self.store is None:
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=60))
+        return "127.0.0.1", self.store.port
 
     def _write_incident(self, rec: dict, ok: bool) -> None:
         detail = {"how": _how(rec), "pid": rec["pid"], "exit_code": rec["exit_code"], "exit_signal": rec["signal"]}

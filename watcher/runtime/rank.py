@@ -839,8 +839,8 @@ class RankRuntime:
         self.resnapshot = False
         self.snapshot_next = True  # a snapshot of the new timeline at its first step end
         self.audit = Audit.from_env(self)
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=RESCUE_JOIN_S))
+        host, port = order["store"]  # hosted by `watcher run` (rescue.py): the job's may have died with a rank
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=RESCUE_JOIN_S))
         self.store = store
         for g in self.groups:
             before = transport.socket_inodes()

@@ -32,6 +32,10 @@ from ..rundir import STOP_EXIT_CODE, RunDir, read_json, write_json
 
 ENV = "WATCHER_RESCUE"
 PID_ENV = "WATCHER_SUPERVISOR_PID"
+# Who the split process went on as (its RANK/LOCAL_RANK): a process that
+# inherits it unchanged (a DataLoader worker) is not a new rank; one started
+# with another LOCAL_RANK (Lightning's rank 1, started by rank 0) is.
+AS_ENV = "WATCHER_SUPERVISED_AS"
 PR_SET_CHILD_SUBREAPER = 36
 FATE_WAIT_S = 30.0       # the launcher side answers a death report within a second; this is its outer bound
 REPLACE_WAIT_S = 120.0   # from "replace" to the replacement naming itself
@@ -40,9 +44,29 @@ TEARDOWN = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def wanted() -> bool:
-    """A rank of a `watcher run --rescue` job, not yet split."""
-    return (os.environ.get(ENV) == "1" and os.environ.get(PID_ENV) is None
-            and "RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """A process of a `watcher run --rescue` job that is, or may become, a
+    rank and is not supervised yet: one a launcher started as a rank (RANK
+    or LOCAL_RANK set), or the job's first process to import torch when it is
+    not a launcher (a script that becomes rank 0 itself, as under Lightning)."""
+    if os.environ.get(ENV) != "1" or os.environ.get(AS_ENV) == _identity():
+        return False
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return True
+    return AS_ENV not in os.environ and not _is_launcher()
+
+
+def _identity() -> str:
+    return f"{os.environ.get('RANK', '')}/{os.environ.get('LOCAL_RANK', '')}"
+
+
+def _is_launcher() -> bool:
+    # The interpreter's own command line: under -m, sys.argv[0] is still "-m"
+    # while the package (torch) is imported.
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if "-m" in argv[:-1] and argv[argv.index("-m") + 1] in ("torch.distributed.run", "torch.distributed.launch"):
+        return True
+    return any(os.path.basename(a) == "torchrun" or a.replace(os.sep, "/").endswith(
+        ("torch/distributed/run.py", "torch/distributed/launch.py")) for a in argv[:2])
 
 
 def split(run_dir: RunDir) -> None:
@@ -58,22 +82,24 @@ def split(run_dir: RunDir) -> None:
     child = os.fork()
     if child == 0:
         os.environ[PID_ENV] = str(me)
+        os.environ[AS_ENV] = _identity()
         return
     try:
-        Supervisor(run_dir, int(os.environ["RANK"]), child).run()
+        Supervisor(run_dir, child).run()
     finally:
         os._exit(70)  # never back into the user's program
 
 
 class Supervisor:
-    def __init__(self, run_dir: RunDir, rank: int, child: int):
-        self.run_dir, self.rank, self.live = run_dir, rank, child
+    def __init__(self, run_dir: RunDir, child: int):
+        self.run_dir, self.live = run_dir, child
+        self.rank: int | None = None  # learned from the rank's own word (rank<r>.process.json)
         self.teardown = False
 
     def run(self) -> None:
         try:
             with open("/proc/self/comm", "w") as f:
-                f.write(f"w-super-{self.rank}"[:15])
+                f.write("w-supervisor")
         except OSError:
             pass
         for sig in FORWARDED:
@@ -104,6 +130,11 @@ class Supervisor:
         if code in (0, STOP_EXIT_CODE) or self.teardown:
             return None
         dead = self.live
+        self.rank = next((r for r, path in self.run_dir.rank_process_files()
+                          if (_read(path) or {}).get("pid") == dead), None)
+        if self.rank is None:
+            return None  # it never became a rank: nothing to replace it with
+        self.run_dir.rescue.mkdir(parents=True, exist_ok=True)
         write_json(self.run_dir.rescue_death(self.rank, dead),
                    {"rank": self.rank, "pid": dead, "exit_code": code if code >= 0 else None,
                     "signal": -code if code < 0 else None, "unix": time.time()})
@@ -115,7 +146,10 @@ class Supervisor:
             p = _read(self.run_dir.rank_process(self.rank))
             return p["pid"] if p and p.get("pid") not in (None, dead) and _is_child(p["pid"]) else None
 
-        return _wait_for(named, REPLACE_WAIT_S, stop=lambda: self.teardown)
+        def given_up():  # the rescue failed: the launcher side took its word back
+            return self.teardown or (_read(self.run_dir.rescue_fate(self.rank, dead)) or {}).get("fate") != "replace"
+
+        return _wait_for(named, REPLACE_WAIT_S, stop=given_up)
 
 
 def _read(path):
