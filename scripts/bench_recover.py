@@ -19,6 +19,22 @@ decides how much either side recomputes:
   Detect-to-resume is from the abort to the end of the first step trained
   after the relaunch; steps lost are the steps trained again.
 
+A crash round (`--crash-pairs`) does the same for a rank killed from
+outside (SIGKILL on rank 1 once it has logged step F):
+
+- Watcher: `watcher run --rescue`; every rank resumes from its snapshot
+  (default settings) while torchrun runs on.
+- Baseline: the job checkpointing every N steps fails as torchrun tears it
+  down, and is launched again at once (as a scheduler's requeue does): every
+  worker starts again and reloads the newest checkpoint.  (torchrun's own
+  `--max-restarts` hangs here: the restarted workers wait forever in
+  init_process_group, torch 2.13 CPU with gloo; a relaunch costs about the
+  same: process start, torch import, rendezvous, checkpoint load.)
+
+Detect-to-resume there is from the kill to the end of the first step the
+replacement rank 1 trains (the step-times file it keeps appending to, on
+the same monotonic clock); steps recomputed are the steps trained again.
+
 Prints a table and writes bench-results/recover.json.
 """
 
@@ -26,11 +42,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +114,75 @@ def baseline_once(tmp: Path, steps: int, fault_step: int, every: int) -> dict:
             "detect_to_resume_s": round((after[0]["end"] - failed_at) / 1e9, 3), "job_wall_s": round(wall, 2)}
 
 
+def _tagged_rank_pid(tag: str, rank: int) -> int | None:
+    """A worker process of the baseline job: its environment carries the bench's tag and RANK."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"BENCH_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env \
+                and f"LOCAL_RANK={rank}".encode() in env:
+            return int(name)
+    return None
+
+
+def _kill_rank1_at(proc: subprocess.Popen, times: Path, step: int, pid_of) -> tuple[int, int]:
+    """SIGKILL rank 1 once it has logged `step`; (monotonic ns of the kill, its last logged step)."""
+    deadline = time.monotonic() + 120
+    while True:
+        done = step_ends(times, 1) if Path(f"{times}.rank1").exists() else []
+        if done and done[-1]["step"] >= step:
+            break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the job ended or stalled before rank 1 reached step {step}")
+        time.sleep(0.002)
+    pid = pid_of()
+    t = time.monotonic_ns()
+    os.kill(pid, signal.SIGKILL)
+    return t, step_ends(times, 1)[-1]["step"]
+
+
+def _after_kill(times: Path, t_kill: int, last: int) -> dict:
+    """The replacement rank 1's first step: when it ended, and how far back it started."""
+    first = next(r for r in step_ends(times, 1) if r["end"] > t_kill)
+    return {"detect_to_resume_s": round((first["end"] - t_kill) / 1e9, 3), "resumed_step": first["step"],
+            "steps_recomputed": last + 1 - first["step"]}
+
+
+def crash_watcher_once(tmp: Path, steps: int, kill_step: int) -> dict:
+    times, out = tmp / "times", tmp / "run"
+    tmp.mkdir(parents=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "watcher.cli", "run", "--rescue", "--out", str(out), "--",
+                             *job(steps, f"--step-times={times}")],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t_kill, last = _kill_rank1_at(proc, times, kill_step,
+                                  lambda: json.loads((out / "runtime" / "rank1.process.json").read_text())["pid"])
+    assert proc.wait(timeout=600) == 0, "the rescued job failed"
+    inc = json.loads(next((out / "incidents").glob("inc-*.json")).read_text())
+    assert (inc["kind"], inc["classification"], inc["recovered"]) == ("crash", "transient", True), inc
+    return dict(_after_kill(times, t_kill, last), killed_after_step=last, job_wall_s=round(time.monotonic() - t0, 2),
+                rescue_s=inc["recovery"]["detect_to_resume_s"], from_step=inc["window"]["from_step"])
+
+
+def crash_baseline_once(tmp: Path, steps: int, kill_step: int, every: int) -> dict:
+    times, ckpt = tmp / "times", tmp / "ckpt"
+    ckpt.mkdir(parents=True)
+    tag = uuid.uuid4().hex
+    t0 = time.monotonic()
+    cmd = job(steps, f"--checkpoint={ckpt}", f"--checkpoint-every={every}", f"--step-times={times}")
+    env = dict(os.environ, BENCH_TAG=tag)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    t_kill, last = _kill_rank1_at(proc, times, kill_step, lambda: _tagged_rank_pid(tag, 1))
+    assert proc.wait(timeout=600) != 0, "the baseline job was meant to fail"
+    again = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    assert again.returncode == 0, "the relaunched baseline job failed"
+    return dict(_after_kill(times, t_kill, last), killed_after_step=last, job_wall_s=round(time.monotonic() - t0, 2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=4, help="rounds; round i faults at fault-steps[i mod n]")
@@ -104,6 +192,9 @@ def main() -> None:
                          "the first default snapshot interval; 17 is the worst place for state copies every 4 or "
                          "8 steps, the newest usable one being 5 or 9 steps back)")
     ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--crash-pairs", type=int, default=3, help="crash rounds (a rank killed from outside; 0: none)")
+    ap.add_argument("--crash-job-steps", type=int, default=120, help="steps of the crash rounds' job")
+    ap.add_argument("--kill-steps", default="35,47,58", help="steps after which rank 1 is killed, one per crash round")
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "recover.json"))
     args = ap.parse_args()
     every = args.checkpoint_every
@@ -113,6 +204,14 @@ def main() -> None:
         ap.error(f"bad --fault-steps {args.fault_steps!r}: use e.g. 12,20,27")
     if not faults or not all(2 <= f < args.steps - 2 for f in faults):
         ap.error(f"--fault-steps must lie in 2..{args.steps - 3}")
+    try:
+        kills = [int(x) for x in args.kill_steps.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"bad --kill-steps {args.kill_steps!r}: use e.g. 35,47")
+    if args.crash_pairs and (not kills or not all(10 <= k < args.crash_job_steps - 20 for k in kills)):
+        ap.error(f"--kill-steps must lie in 10..{args.crash_job_steps - 21}")
+    if args.pairs < 1:
+        ap.error("--pairs must be at least 1")
     watch, matched, base = [], [], []
     with tempfile.TemporaryDirectory(prefix="watcher-bench-recover-") as d:
         for i in range(args.pairs):
@@ -128,6 +227,17 @@ def main() -> None:
             print(f"round {i + 1}/{args.pairs} (fault at step {fault}): watcher default {w['detect_to_resume_s']} s (window {w['window']}), "
                   f"snapshot every {every}: {m['detect_to_resume_s']} s; checkpoint-restart "
                   f"{b['detect_to_resume_s']} s ({b['steps_lost']} lost)", file=sys.stderr, flush=True)
+
+        crash_w, crash_b = [], []
+        for i in range(args.crash_pairs):
+            k = kills[i % len(kills)]
+            w = crash_watcher_once(Path(d) / f"cw{i}", args.crash_job_steps, k)
+            b = crash_baseline_once(Path(d) / f"cb{i}", args.crash_job_steps, k, every)
+            crash_w.append(w)
+            crash_b.append(b)
+            print(f"crash round {i + 1}/{args.crash_pairs} (rank 1 killed after step {w['killed_after_step']} / "
+                  f"{b['killed_after_step']}): watcher --rescue {w['detect_to_resume_s']} s (from step {w['from_step']}), "
+                  f"relaunch + checkpoint {b['detect_to_resume_s']} s", file=sys.stderr, flush=True)
 
     def med(rows, key="detect_to_resume_s"):
         return statistics.median(r[key] for r in rows)
@@ -145,6 +255,13 @@ def main() -> None:
               "median_ratio": {"watcher_default": ratio(watch), "watcher_snapshot_every_n": ratio(matched)},
               "worst_ratio": {"watcher_default": worst(watch), "watcher_snapshot_every_n": worst(matched)},
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if crash_w:
+        result["crash"] = {"job_steps": args.crash_job_steps, "kill_steps": kills, "watcher_rescue": crash_w,
+                           "torchrun_restart": crash_b,
+                           "median_detect_to_resume_s": {"watcher_rescue": med(crash_w),
+                                                         "torchrun_restart": med(crash_b)},
+                           "median_ratio": statistics.median(w["detect_to_resume_s"] / b["detect_to_resume_s"]
+                                                             for w, b in zip(crash_w, crash_b))}
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     lost = lambda rows: str(sorted({r["steps_lost"] for r in rows}))  # noqa: E731
@@ -161,6 +278,15 @@ def main() -> None:
         ("job wall s, median", f"{med(watch, 'job_wall_s'):.1f}", f"{med(matched, 'job_wall_s'):.1f}",
          f"{med(base, 'job_wall_s'):.1f}", f"{args.steps} steps, one fault"),
     ]
+    if crash_w:
+        c = result["crash"]
+        rows += [
+            ("crash: detect-to-resume, median s", f"{med(crash_w):.2f}", "-", f"{med(crash_b):.2f}",
+             f"rank 1 killed (SIGKILL); --rescue against a relaunch + checkpoint reload; ratio "
+             f"{c['median_ratio']:.3f} (goal < 0.10)"),
+            ("crash: steps recomputed", str(sorted({r["steps_recomputed"] for r in crash_w})), "-",
+             str(sorted({r["steps_recomputed"] for r in crash_b})), f"killed after steps {kills}"),
+        ]
     table = [("metric", "watcher (default)", f"watcher (snapshot/{every})", f"checkpoint/{every} restart",
               "note"), *rows]
     widths = [max(len(r[i]) for r in table) for i in range(5)]
