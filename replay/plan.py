@@ -112,12 +112,16 @@ def make_plan(rt: Rank, info: dict, inc_dir: IncidentDir) -> dict:
     # The replay runs to where the ranks halted, so that under --policy
     # recover its end state is the live ranks' state, recomputed.
     halt = min(a["step"] for a in arrived) if info["kind"] != "replay_check" else k
-    plan = {"failing_step": k, "from_step": v, "to_step": max(k, halt), "reason": None if v is not None else why}
+    stuck = any(a.get("stuck") for a in arrived)
+    # A rank stuck outside any collective (a hang handled while its training
+    # thread is blocked) never ended the step after its last one: the replay
+    # runs that step, the one it blocked in, and no further (its peers went
+    # on to steps whose inputs the stuck rank never fetched).
+    to = halt + 1 if stuck and info["kind"] == "hang" else max(k, halt)
+    plan = {"failing_step": k, "from_step": v, "to_step": to, "reason": None if v is not None else why}
     if v is None:
         return plan
-    # A state copy serves a quick recovery; a stuck rank (a hang handled
-    # while its training thread is blocked) cannot be recovered into.
-    stuck = any(a.get("stuck") for a in arrived)
+    # A state copy serves a quick recovery; a stuck rank cannot be recovered into.
     copy = newest_usable_copy(log, v, k) if newest_first and not stuck else None
     if copy is not None:
         plan.update(fork_step=v, from_step=copy, state_copy=copy)

@@ -22,14 +22,16 @@ verdict words) and the incident's directory (watcher/rundir.py).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from .. import health
 from ..incident import Incident, load_incident, save_incident
-from ..rundir import IncidentDir, exchange_dir
+from ..rundir import IncidentDir, exchange_dir, write_json
 from ..runtime.seam import Rank
+from ..runtime.supervisor import rescuable
 from .plan import JobLog, fallback_plan, log_excerpt, make_plan
 from .recovery import diagnose_and_apply, recover
 from .rounds import WAIT_S, await_replays, forget_published, remove_tree, replay_here, say
@@ -141,12 +143,26 @@ def _go_on(rt: Rank, info: dict, plan: dict, inc_dir, result_dir, verdict: Incid
     recovered = False
     acting = rt.policy in ("recover", "apply") and not final and stuck is None
     if stuck is not None and verdict and verdict.classification == "transient":
+        replace = rescuable(rt)
         if rt.rank == 0:
-            verdict.recovery = {"possible": False, "reason": "the rank is stuck outside any collective and its "
-                                "training thread cannot take the replayed state; the job is left to move on"}
+            verdict.recovery = (
+                {"possible": True, "method": "the rank stuck outside any collective is ended and replaced: every "
+                 "rank resumes from its snapshot (watcher run --rescue; the crash incident that follows)"}
+                if replace else
+                {"possible": False, "reason": "the rank is stuck outside any collective and its training thread "
+                 "cannot take the replayed state; the job is left to move on (watcher run --rescue replaces it)"})
             save_incident(rt.rundir, verdict)
         _close(rt, inc_dir, iid)
-        say(rt, f"incident {iid}: transient, but the training thread is stuck: left as it is")
+        if replace and stuck.get("in_flight") == 0:
+            # This is the stuck rank (its peers wait inside a collective for it):
+            # end it, and the launcher side replaces it (watcher/rescue.py).
+            write_json(rt.rundir.rescue_cause(rt.rank), {"incident_id": iid, "step": stuck.get("step"),
+                                                         "reason": "stuck outside any collective; its window "
+                                                                   "replayed clean"})
+            say(rt, f"incident {iid}: transient; ending this stuck rank to be replaced")
+            os.kill(os.getpid(), signal.SIGKILL)
+        say(rt, f"incident {iid}: transient, but the training thread is stuck: "
+                + ("its rank is being replaced" if replace else "left as it is"))
         return
     if verdict and info["kind"] == "replay_check":  # a check, not a failure: say whether it matched
         exact = (verdict.replay or {}).get("exact")

@@ -148,3 +148,26 @@ def test_a_lightning_rank_killed_from_outside_is_replaced_and_the_fit_ends_as_if
     _the_rescue(run, victim, 50)
     assert query(run / "recording.duckdb", "SELECT rank, count(DISTINCT step), max(step) FROM step GROUP BY 1 "
                                            "ORDER BY 1") == [(0, steps, steps - 1), (1, steps, steps - 1)]
+
+
+@needs_bpf
+def test_a_rank_stuck_in_a_read_once_is_replaced_and_the_job_ends_as_if_it_never_hung(tmp_path, plain_reference):
+    """Rank 1 blocks at step 12 in a read that never returns, once (the
+    drill's `hang_pipe_once`): the hang's replay runs past it (transient), so
+    the stuck rank is ended and replaced like a crashed one, and the job
+    ends as the fault-free one did."""
+    from watcher.run import RunConfig, run
+
+    res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True, snapshot_interval=4,
+                        copy_interval=0, rescue=True, detect={"hang_seconds": 3.0},
+                        inject={"scenario": "hang_pipe_once", "rank": 1, "step": 12}))
+    assert res.exit_code == 0
+    assert (tmp_path / "w.pt.sha256").read_text() == plain_reference
+    by_kind = {i["kind"]: i for i in res.incidents}
+    assert sorted(by_kind) == ["crash", "hang", "stall"], [i["kind"] for i in res.incidents]
+    hang, crash = by_kind["hang"], by_kind["crash"]
+    assert (hang["classification"], hang["recovered"], hang["recovery"]["replaced_by"]) == \
+        ("transient", True, crash["incident_id"])
+    assert crash["detail"]["ended_by_watcher"]["incident_id"] == hang["incident_id"]
+    assert (crash["detected_rank"], crash["detected_step"], crash["classification"], crash["recovered"]) == \
+        (1, 12, "transient", True)

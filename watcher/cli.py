@@ -262,6 +262,7 @@ def check(pid: Optional[int] = typer.Option(None, "--pid", help="Also look for l
 
 @app.command(epilog="Examples:\n\n  sudo watcher run -- torchrun --nproc_per_node=2 train.py\n\n"
                     "  sudo watcher run --policy observe --out run1 -- python train.py\n\n"
+                    "  sudo watcher run --rescue -- torchrun --nproc_per_node=8 train.py\n\n"
                     "  sudo watcher run --snapshot-budget 5 --detect hang_seconds=60 -- torchrun --nproc_per_node=8 train.py\n\n"
                     "  watcher sql run1/recording.duckdb \"SELECT * FROM incident\"")
 def run(

@@ -147,6 +147,10 @@ class Rescuer:
         rec = {"attempt": attempt, "rank": dead, "pid": death["pid"], "signal": death.get("signal"),
                "exit_code": death.get("exit_code"), "step": failing, "from_step": step,
                "incident_id": f"inc-{seq:04d}", "t0": t0}
+        cause = _read(self.run_dir.rescue_cause(dead))
+        if cause:  # Watcher ended this rank itself: a stuck rank whose hang replayed clean
+            rec["cause"] = cause
+            os.unlink(self.run_dir.rescue_cause(dead))
         # Every rank's present process gets its fate first: the survivors'
         # supervisors, seeing them stopped, wait for the replacement.
         survivors = {r: pid for r, (pid, _) in known.items() if r != dead}
@@ -198,6 +202,8 @@ class Rescuer:
 
     def _write_incident(self, rec: dict, ok: bool) -> None:
         detail = {"how": _how(rec), "pid": rec["pid"], "exit_code": rec["exit_code"], "exit_signal": rec["signal"]}
+        if rec.get("cause"):
+            detail["ended_by_watcher"] = rec["cause"]
         doc = Incident.opened(rec["incident_id"], "crash", rec["step"], rec["rank"], time.monotonic_ns(), detail,
                               rec["from_step"], rec["step"])
         doc.replay = {"reproduced": None, "first_divergence": None, "method": "live re-execution",
@@ -237,9 +243,23 @@ class Rescuer:
             doc.update(classification="transient", track="A", transient_cause="unknown", recovered=True,
                        resumed_at_step=rec["from_step"] + 1, steps_lost=0)
         save_incident(self.run_dir, doc)
+        if rec.get("cause") and not reproduced:
+            self._hang_recovered(rec)
         print(f"watcher: {rec['incident_id']}: rank {rec['rank']}'s death in step {rec['step']} "
               + ("came back: persistent" if reproduced else "did not come back: transient, recovered"),
               file=sys.stderr, flush=True)
+
+
+    def _hang_recovered(self, rec: dict) -> None:
+        """The hang whose stuck rank this rescue replaced is recovered too."""
+        try:
+            hang = load_incident(self.run_dir, rec["cause"]["incident_id"])
+        except Exception:
+            return
+        hang.update(recovered=True, resumed_at_step=rec["from_step"] + 1, steps_lost=0,
+                    recovery=dict(hang.recovery or {}, replaced_by=rec["incident_id"],
+                                  detect_to_resume_s=rec["detect_to_resume_s"]))
+        save_incident(self.run_dir, hang)
 
 
 def _same_death(a: dict, b: dict) -> bool:

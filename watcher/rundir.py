@@ -17,6 +17,7 @@ the ranks, the replays, the launcher side and the readers all go through
     DIR/runtime/rescue/death.rank<r>.pid<p>.json    a rank's death, said by its supervisor (runtime/supervisor.py)
     DIR/runtime/rescue/fate.rank<r>.pid<p>.json     the launcher's answer: replace or let go (rescue.py)
     DIR/runtime/rescue/orphan.rank<r>.step<k>       a snapshot of rank r at step k, orphaned and awaiting orders
+    DIR/runtime/rescue/cause.rank<r>.json           why Watcher ended rank r itself (a stuck rank, to be replaced)
     DIR/incidents/<id>.json              the incident document (watcher/incident.py), one writer
     DIR/incidents/<id>/                  the incident's replays (a ReplayDir), with
         from-copy/                       the replay from a state copy (a ReplayDir)
@@ -369,6 +370,10 @@ class RunDir:
 
     def rescue_fate(self, rank: int, pid: int) -> Path:
         return self.rescue / f"fate.rank{rank}.pid{pid}.json"
+
+    def rescue_cause(self, rank: int) -> Path:
+        """Why Watcher itself ended rank r (a stuck rank whose hang replayed clean), for its rescue."""
+        return self.rescue / f"cause.rank{rank}.json"
 
     def rescue_orphan(self, rank: int, step: int) -> Path:
         return self.rescue / f"orphan.rank{rank}.step{step}"

@@ -32,6 +32,8 @@ Scenarios (all take "rank" and "step"):
                     replay from the last snapshot runs past it)
   slow_rank         from `step` on, sleep `ms` (default 40) in every step before its computation: a rank
                     persistently slower than its peers (a straggler; nothing is wrong with its results)
+  hang_pipe_once    the same read, in the live run only, once (a transient hang: a peer or a filesystem that
+                    never answers; the replay runs past it)
   hang_pipe         at the start of `step`'s optimizer step, read a pipe nobody writes to, every time: the rank
                     is stuck outside any collective and its peers wait inside one (persistent hang)
   link_reset        shut down the rank's gloo connections before one collective (transient network fault)
@@ -58,7 +60,8 @@ from torch.nn.modules.module import register_module_forward_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch",
-             "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "segv_once", "hang_pipe", "slow_rank",
+             "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "segv_once", "hang_pipe", "hang_pipe_once",
+             "slow_rank",
              "merge_bitflip")
 
 
@@ -186,14 +189,14 @@ def _arm_one(rt, f: dict) -> None:
             if meta["step"] == step and once():
                 time.sleep(float(f.get("seconds", 5)))
         rt.fault_hooks.append(("before_collective", hook))
-    elif kind in ("lr_spike", "segv", "segv_once", "hang_pipe"):
+    elif kind in ("lr_spike", "segv", "segv_once", "hang_pipe", "hang_pipe_once"):
 
         def pre(opt, args, kwargs):
             if rt.step + 1 != step or opt is not rt.main_opt or not mine():
                 return
             if kind == "segv" or kind == "segv_once" and once():
                 _null_write()
-            if kind == "hang_pipe":
+            if kind == "hang_pipe" or kind == "hang_pipe_once" and once():
                 _read_forever()
             if kind != "lr_spike":
                 return

@@ -55,6 +55,11 @@ def wanted() -> bool:
     return AS_ENV not in os.environ and not _is_launcher()
 
 
+def rescuable(rt) -> bool:
+    """Can this rank be replaced if it dies: it is supervised, and the policy acts."""
+    return bool(os.environ.get(PID_ENV)) and rt.policy in ("recover", "apply") and len(rt.local_ranks) == rt.world
+
+
 def _identity() -> str:
     return f"{os.environ.get('RANK', '')}/{os.environ.get('LOCAL_RANK', '')}"
 
