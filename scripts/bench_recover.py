@@ -147,9 +147,11 @@ def _kill_rank1_at(proc: subprocess.Popen, times: Path, step: int, pid_of) -> tu
 
 def _after_kill(times: Path, t_kill: int, last: int) -> dict:
     """The replacement rank 1's first step: when it ended, and how far back it started."""
-    first = next(r for r in step_ends(times, 1) if r["end"] > t_kill)
-    return {"detect_to_resume_s": round((first["end"] - t_kill) / 1e9, 3), "resumed_step": first["step"],
-            "steps_recomputed": last + 1 - first["step"]}
+    after = [r for r in step_ends(times, 1) if r["end"] > t_kill]
+    caught_up = next(r for r in after if r["step"] == last + 1)
+    return {"detect_to_resume_s": round((after[0]["end"] - t_kill) / 1e9, 3), "resumed_step": after[0]["step"],
+            "steps_recomputed": last + 1 - after[0]["step"],
+            "back_to_step_s": round((caught_up["end"] - t_kill) / 1e9, 3)}
 
 
 def crash_watcher_once(tmp: Path, steps: int, kill_step: int) -> dict:
@@ -286,6 +288,9 @@ def main() -> None:
              f"{c['median_ratio']:.3f} (goal < 0.10)"),
             ("crash: steps recomputed", str(sorted({r["steps_recomputed"] for r in crash_w})), "-",
              str(sorted({r["steps_recomputed"] for r in crash_b})), f"killed after steps {kills}"),
+            ("crash: back at the killed step, median s", f"{med(crash_w, 'back_to_step_s'):.2f}", "-",
+             f"{med(crash_b, 'back_to_step_s'):.2f}", "from the kill to the end of the step rank 1 died in, "
+             "trained again"),
         ]
     table = [("metric", "watcher (default)", f"watcher (snapshot/{every})", f"checkpoint/{every} restart",
               "note"), *rows]

@@ -32,10 +32,12 @@ Scenarios (all take "rank" and "step"):
                     replay from the last snapshot runs past it)
   slow_rank         from `step` on, sleep `ms` (default 40) in every step before its computation: a rank
                     persistently slower than its peers (a straggler; nothing is wrong with its results)
-  hang_pipe_once    the same read, in the live run only, once (a transient hang: a peer or a filesystem that
-                    never answers; the replay runs past it)
   hang_pipe         at the start of `step`'s optimizer step, read a pipe nobody writes to, every time: the rank
                     is stuck outside any collective and its peers wait inside one (persistent hang)
+  hang_pipe_once    the same read, in the live run only, once (a transient hang: a peer or a filesystem that
+                    never answers; the replay runs past it)
+  sigkill_once      at the start of `step`'s optimizer step the rank sends itself SIGKILL, once, in the live run
+                    (what the OOM killer or an operator does)
   link_reset        shut down the rank's gloo connections before one collective (transient network fault)
   net_blackhole     before one collective, every packet arriving on the rank's gloo connections is dropped
                     (a socket filter): the connections neither deliver nor reset, and the collective waits
@@ -52,6 +54,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import socket
 import time
 
@@ -61,7 +64,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 SCENARIOS = ("grad_bitflip", "allreduce_corrupt", "stall", "link_reset", "net_blackhole", "lr_spike", "bad_batch",
              "bad_sample", "bad_op", "fp32_overflow", "bad_cores", "segv", "segv_once", "hang_pipe", "hang_pipe_once",
-             "slow_rank",
+             "sigkill_once", "slow_rank",
              "merge_bitflip")
 
 
@@ -189,7 +192,7 @@ def _arm_one(rt, f: dict) -> None:
             if meta["step"] == step and once():
                 time.sleep(float(f.get("seconds", 5)))
         rt.fault_hooks.append(("before_collective", hook))
-    elif kind in ("lr_spike", "segv", "segv_once", "hang_pipe", "hang_pipe_once"):
+    elif kind in ("lr_spike", "segv", "segv_once", "hang_pipe", "hang_pipe_once", "sigkill_once"):
 
         def pre(opt, args, kwargs):
             if rt.step + 1 != step or opt is not rt.main_opt or not mine():
@@ -198,6 +201,8 @@ def _arm_one(rt, f: dict) -> None:
                 _null_write()
             if kind == "hang_pipe" or kind == "hang_pipe_once" and once():
                 _read_forever()
+            if kind == "sigkill_once" and once():
+                os.kill(os.getpid(), signal.SIGKILL)
             if kind != "lr_spike":
                 return
             for g in opt.param_groups:
