@@ -72,6 +72,20 @@ def test_nvml_absent_is_one_clear_line():
     assert "NVML not available" in line and "[warn]" in line  # a fact on a CPU machine, not a failure
 
 
+def test_xid_events_are_failures_of_their_gpu_when_critical(tmp_path):
+    """No GPU here: the listener says so and starts nothing (NVML absent is a
+    fact); what it hands the ledger is checked as the driver would raise it
+    (the NVML event path runs in scripts/gpu_check on a GPU machine)."""
+    xids = health.XidListener(lambda x: None).start()
+    assert (xids.state, xids.thread) == ("NVML not available", None)
+    xids.stop()
+    ledger = health.Ledger(tmp_path, tmp_path / "node")
+    for x in (79, 13, 48):  # fell off the bus; a graphics engine exception (an application's); a DBE
+        ledger.add(health.xid_event("r1", {"xid": x, "uuid": "GPU-abc"}))
+    assert [f["detail"]["xid"] for f in ledger.failures("gpu-GPU-abc")] == [79, 48]
+    assert [e["kind"] for e in ledger.events()] == ["failure", "signal", "failure"]
+
+
 def _run(tmp: Path, name: str, *args: str, policy: str = "apply") -> tuple:
     (tmp / f"m-{name}").mkdir()
     out = tmp / name

@@ -24,7 +24,7 @@ counts read at the run's start and end; `bad` when past a threshold below).
 |-----------|--------------------------------------------------------------------------------|---------|
 | repeat    | the Nth failure on one device within W seconds (this run and, with --health-dir, every earlier run on the node) is attributed to the device: hardware, quarantine_device, even when each single failure replayed clean | N=3, W=7 days |
 | breaker   | never more than this share of a node's devices quarantined (at least one): past it the node is marked unusable instead | 25% |
-| NVML      | a bad signal counts as a failure: volatile uncorrected ECC errors, pending page retirement or a row-remap failure, a critical XID (48, 63, 64, 74, 79, 92, 94, 95) | on |
+| NVML      | a bad signal counts as a failure: volatile uncorrected ECC errors, pending page retirement or a row-remap failure, a critical XID (48, 63, 64, 74, 79, 92, 94, 95), entered as the driver raises it (XidListener) | on |
 | EDAC      | uncorrected memory errors rising during the run count as a failure of every core of the host | on |
 
 `watcher health` prints a node's (or a run's) ledger and quarantine list and,
@@ -38,6 +38,7 @@ import ctypes
 import fcntl
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,6 +333,101 @@ def nvml_devices() -> list[dict] | None:
         except Exception:
             pass
     return out
+
+
+class XidListener:
+    """XID events as the driver raises them (NVML's event set), each handed to
+    `on_event` the moment it comes: a critical XID (module table) is a failure
+    of its GPU in the ledger during the run, not at its end.  Counters (ECC,
+    remapped rows) are still read at the run's start and end; an XID is an
+    event, gone unless someone listens.  Without NVML, or on a board that does
+    not deliver XID events, it says so (`state`) and does nothing."""
+
+    WAIT_MS = 500  # how often the thread looks up to see whether it should stop
+
+    def __init__(self, on_event):
+        self.on_event = on_event
+        self.state = "not started"
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.devices = 0
+        self.seen = 0
+
+    def start(self) -> "XidListener":
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+        except Exception:
+            self.state = "NVML not available"
+            return self
+        self.nvml = pynvml
+        try:
+            self.events = pynvml.nvmlEventSetCreate()
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                try:
+                    pynvml.nvmlDeviceRegisterEvents(pynvml.nvmlDeviceGetHandleByIndex(i),
+                                                    pynvml.nvmlEventTypeXidCriticalError, self.events)
+                    self.devices += 1
+                except pynvml.NVMLError:
+                    continue  # this board delivers no XID events
+        except Exception as e:
+            self.state = f"NVML events not available: {e}"
+            self._shutdown()
+            return self
+        if not self.devices:
+            self.state = "no GPU delivers XID events"
+            self._shutdown()
+            return self
+        self.state = f"listening on {self.devices} GPU(s)"
+        self.thread = threading.Thread(target=self._loop, name="watcher-xid", daemon=True)
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        pynvml = self.nvml
+        while not self.stopped.is_set():
+            try:
+                data = pynvml.nvmlEventSetWait_v2(self.events, self.WAIT_MS)
+            except pynvml.NVMLError_Timeout:
+                continue
+            except Exception as e:
+                self.state = f"stopped listening: {e}"
+                return
+            try:
+                uuid = _s(pynvml.nvmlDeviceGetUUID(data.device))
+            except Exception:
+                uuid = None
+            self.seen += 1
+            try:
+                self.on_event({"xid": int(data.eventData), "uuid": uuid, "unix": time.time()})
+            except Exception:
+                pass  # a ledger that cannot be written never stops the listening
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join(self.WAIT_MS / 1000 + 2)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        pynvml = getattr(self, "nvml", None)
+        if pynvml is None:
+            return
+        try:
+            if getattr(self, "events", None) is not None:
+                pynvml.nvmlEventSetFree(self.events)
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+        self.nvml = None
+
+
+def xid_event(run: str, x: dict) -> dict:
+    """A ledger event for one XID: a failure of its GPU when critical, a signal otherwise."""
+    critical = x["xid"] in CRITICAL_XIDS
+    return {"kind": "failure" if critical else "signal", "device": f"gpu-{x['uuid']}", "run": run,
+            "detail": {"xid": x["xid"], "bad": [f"XID {x['xid']}"] if critical else [],
+                       **({"signal": [f"XID {x['xid']}"]} if critical else {})}}
 
 
 def _s(v) -> str:

@@ -188,6 +188,8 @@ def run(cfg: RunConfig) -> RunResult:
     t_job = time.monotonic()
     ledger = health.Ledger(run_dir.root, cfg.health_dir)
     signals_at_start = _health_signals(ledger, run_dir, None)
+    # XID events enter the ledger as the driver raises them (nothing without NVML).
+    xids = health.XidListener(lambda x: ledger.add(health.xid_event(str(run_dir.root), x))).start()
     was_on = _off_quarantined_cores(ledger, cfg.quiet)
     try:
         try:
@@ -196,6 +198,7 @@ def run(cfg: RunConfig) -> RunResult:
             if was_on is not None:
                 os.sched_setaffinity(0, was_on)
             deaths.stop()
+            xids.stop()
             if status:
                 status.stop()
         _health_signals(ledger, run_dir, signals_at_start)

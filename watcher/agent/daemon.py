@@ -202,9 +202,17 @@ class Agent:
         self._say(f"watcher agent on {c.node}: metrics on http://{c.host}:{self.server.port}/metrics, "
                   f"ring {c.ring_minutes:g} min / {c.ring_max_bytes >> 20} MiB, kept recordings in {c.root}")
         self._write_state()
+        xids = None
+        if c.health_dir is not None:  # a GPU's XID events reach the node's ledger as they happen
+            from .. import health  # NVML is imported there, only when asked
+            ledger = health.Ledger(None, c.health_dir)
+            xids = health.XidListener(lambda x: ledger.add(health.xid_event(f"agent@{c.node}", x))).start()
+            self._say(f"XID events: {xids.state}")
         try:
             self.collector.run(self._tick)
         finally:
+            if xids is not None:
+                xids.stop()
             for s, h in old.items():
                 signal.signal(s, h)
             self.server.close()
