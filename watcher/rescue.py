@@ -30,6 +30,7 @@ if it does; persistent if the rank dies there again the same way.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import sys
@@ -119,8 +120,7 @@ class Rescuer:
             if r == dead:
                 mine = {int(p.name.rsplit("step", 1)[1]) for p in self.run_dir.rescue.glob(f"orphan.rank{r}.step*")}
             else:
-                steps = self.run_dir.read_steps(r)
-                mine = set(sorted(s for s, fp in steps.items() if fp.get("snapshot"))[-2:])
+                mine = set(_last_snapshots(self.run_dir.steps_log(r)))
             held = mine if held is None else held & mine
         return max(held) if held else None
 
@@ -260,6 +260,30 @@ class Rescuer:
                     recovery=dict(hang.recovery or {}, replaced_by=rec["incident_id"],
                                   detect_to_resume_s=rec["detect_to_resume_s"]))
         save_incident(self.run_dir, hang)
+
+
+def _last_snapshots(log, keep: int = 2, tail: int = 1 << 20) -> list[int]:
+    """The steps of the last `keep` snapshots a live rank logged, in the order
+    it took them (after a rescue the log still holds the old timeline's later
+    steps until they are run again: the step numbers alone would mislead)."""
+    try:
+        with open(log, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - tail))
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found: list[int] = []
+    for line in reversed(lines):
+        if b'"snapshot": true' not in line:
+            continue
+        try:
+            found.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue
+        if len(found) == keep:
+            break
+    return found
 
 
 def _same_death(a: dict, b: dict) -> bool:
