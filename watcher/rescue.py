@@ -40,8 +40,9 @@ import torch.distributed as dist
 
 from .incident import Incident, load_incident, save_incident
 from .launcher_link import multi_node
-from .rundir import RunDir, read_json, write_json
+from .rundir import RunDir, read_json, read_json_or_none, write_json
 from .runtime.control import Control
+from .runtime.supervisor import wait_for
 
 SNAPSHOT_WAIT_S = 10.0   # for the survivors' snapshots to say they are orphaned
 RESUME_WAIT_S = 90.0     # for every rank to name its resumed process
@@ -74,9 +75,9 @@ class Rescuer:
             if self._fate_given(death):
                 continue  # a survivor this side stopped for a rescue
             try:
-                why = self._why_not(death, known)
+                why, plan = self._why_not(death)
                 if why is None:
-                    replaced = self._rescue(death, known) or replaced
+                    replaced = self._rescue(death, known, plan) or replaced
                     continue
             except Exception as e:  # fail open: the death goes to the launcher as it would have
                 why = f"the rescue failed: {type(e).__name__}: {e}"
@@ -88,22 +89,27 @@ class Rescuer:
     def _fate_given(self, death: dict) -> bool:
         return self.run_dir.rescue_fate(death["rank"], death["pid"]).exists()
 
-    def _why_not(self, death: dict, known: dict) -> str | None:
+    def _why_not(self, death: dict) -> tuple[str | None, dict]:
+        """Why this death is let go (None: replace it), and what a rescue
+        needs: the job, the step the rank died in, the step to resume from."""
         if self.let_go is not None:
-            return f"the job is going down ({self.let_go})"
-        job = _read(self.run_dir.job) or {}
+            return f"the job is going down ({self.let_go})", {}
+        job = read_json_or_none(self.run_dir.job) or {}
         if multi_node(job):
-            return "a rank of a job on several nodes is not replaced yet"
+            return "a rank of a job on several nodes is not replaced yet", {}
+        plan = {"job": job, "failing": self._died_at(death)}
         rec = self.pending
         if rec is not None and rec["rank"] == death["rank"] and _same_death(rec, death) \
-                and self._died_at(death) == rec["step"]:
+                and plan["failing"] == rec["step"]:
             self._verdict(rec, reproduced=True)
-            return f"rank {death['rank']} died again in step {rec['step']} the same way after its rescue: persistent"
+            return (f"rank {death['rank']} died again in step {rec['step']} the same way after its rescue: "
+                    "persistent", plan)
         if self.ctl.incident_seq > self.ctl.verdict_seq:
-            return "another incident is being handled"
-        if self._common_step(death["rank"], job) is None:
-            return "no step of which every rank still holds a snapshot"
-        return None
+            return "another incident is being handled", plan
+        plan["from_step"] = self._common_step(death["rank"], job)
+        if plan["from_step"] is None:
+            return "no step of which every rank still holds a snapshot", plan
+        return None, plan
 
     def _died_at(self, death: dict) -> int:
         steps = self.run_dir.read_steps(death["rank"])
@@ -131,12 +137,10 @@ class Rescuer:
         write_json(self.run_dir.rescue_fate(death["rank"], death["pid"]), {"fate": "let_go", "reason": why})
         print(f"watcher: rank {death['rank']} died ({_how(death)}); not replaced: {why}", file=sys.stderr, flush=True)
 
-    def _rescue(self, death: dict, known: dict) -> bool:
+    def _rescue(self, death: dict, known: dict, plan: dict) -> bool:
         t0 = time.monotonic()
-        job = _read(self.run_dir.job) or {}
-        world, dead = job["world"], death["rank"]
-        step = self._common_step(dead, job)
-        failing = self._died_at(death)
+        world, dead = plan["job"]["world"], death["rank"]
+        step, failing = plan["from_step"], plan["failing"]
         seq = self.ctl.open_incident({"kind": "crash", "rank": dead, "failing_step": failing, "halt_step": None,
                                       "resolved": True, "detected_ts": time.monotonic_ns(),
                                       "detected_unix": time.time()})
@@ -147,7 +151,7 @@ class Rescuer:
         rec = {"attempt": attempt, "rank": dead, "pid": death["pid"], "signal": death.get("signal"),
                "exit_code": death.get("exit_code"), "step": failing, "from_step": step,
                "incident_id": f"inc-{seq:04d}", "t0": t0}
-        cause = _read(self.run_dir.rescue_cause(dead))
+        cause = read_json_or_none(self.run_dir.rescue_cause(dead))
         if cause:  # Watcher ended this rank itself: a stuck rank whose hang replayed clean
             rec["cause"] = cause
             os.unlink(self.run_dir.rescue_cause(dead))
@@ -165,7 +169,7 @@ class Rescuer:
             except OSError:
                 pass
         orphans = [self.run_dir.rescue_orphan(r, step) for r in range(world)]
-        ok = _wait(lambda: all(p.exists() for p in orphans), SNAPSHOT_WAIT_S)
+        ok = bool(wait_for(lambda: all(p.exists() for p in orphans), SNAPSHOT_WAIT_S))
         if ok:
             host, port = self._store()
             for r in range(world):
@@ -173,8 +177,8 @@ class Rescuer:
                            {"op": "resume", "attempt": attempt, "prefix": f"watcher/rescue/{attempt}/",
                             "store": [host, port]})
             old = {r: pid for r, (pid, _) in known.items()}
-            ok = _wait(lambda: all(_named_pid(self.run_dir, r) not in (None, old.get(r)) for r in range(world)),
-                       RESUME_WAIT_S)
+            ok = bool(wait_for(lambda: all(_named_pid(self.run_dir, r) not in (None, old.get(r))
+                                           for r in range(world)), RESUME_WAIT_S))
         rec["detect_to_resume_s"] = round(time.monotonic() - t0, 3)
         self.attempts.append(rec)
         self._write_incident(rec, ok)
@@ -300,21 +304,7 @@ def _how(d: dict) -> str:
 
 
 def _named_pid(run_dir: RunDir, rank: int) -> int | None:
-    p = _read(run_dir.rank_process(rank))
+    p = read_json_or_none(run_dir.rank_process(rank))
     return p.get("pid") if p else None
 
 
-def _read(path):
-    try:
-        return read_json(path)
-    except (OSError, ValueError):
-        return None
-
-
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()

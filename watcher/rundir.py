@@ -80,6 +80,14 @@ def read_json(path: Path):
         return json.load(f)
 
 
+def read_json_or_none(path: Path):
+    """A JSON file's content, or None while it does not exist (or is not whole yet)."""
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
 def control_file(runtime_dir: Path) -> Path:
     """The node's control block (runtime/control.py)."""
     return Path(runtime_dir) / "control"

@@ -55,6 +55,15 @@ def process_state(pid: int) -> tuple[str, int] | None:
         return None
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent's pid, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Control:
     def __init__(self, runtime_dir: Path):
         self.dir = Path(runtime_dir)

@@ -28,7 +28,8 @@ import signal
 import sys
 import time
 
-from ..rundir import STOP_EXIT_CODE, RunDir, read_json, write_json
+from ..rundir import STOP_EXIT_CODE, RunDir, read_json_or_none, write_json
+from .control import parent_pid
 
 ENV = "WATCHER_RESCUE"
 PID_ENV = "WATCHER_SUPERVISOR_PID"
@@ -136,35 +137,29 @@ class Supervisor:
             return None
         dead = self.live
         self.rank = next((r for r, path in self.run_dir.rank_process_files()
-                          if (_read(path) or {}).get("pid") == dead), None)
+                          if (read_json_or_none(path) or {}).get("pid") == dead), None)
         if self.rank is None:
             return None  # it never became a rank: nothing to replace it with
         self.run_dir.rescue.mkdir(parents=True, exist_ok=True)
         write_json(self.run_dir.rescue_death(self.rank, dead),
                    {"rank": self.rank, "pid": dead, "exit_code": code if code >= 0 else None,
                     "signal": -code if code < 0 else None, "unix": time.time()})
-        fate = _wait_for(lambda: _read(self.run_dir.rescue_fate(self.rank, dead)), FATE_WAIT_S)
+        fate = wait_for(lambda: read_json_or_none(self.run_dir.rescue_fate(self.rank, dead)), FATE_WAIT_S)
         if not fate or fate.get("fate") != "replace" or self.teardown:
             return None
 
         def named():
-            p = _read(self.run_dir.rank_process(self.rank))
+            p = read_json_or_none(self.run_dir.rank_process(self.rank))
             return p["pid"] if p and p.get("pid") not in (None, dead) and _is_child(p["pid"]) else None
 
         def given_up():  # the rescue failed: the launcher side took its word back
-            return self.teardown or (_read(self.run_dir.rescue_fate(self.rank, dead)) or {}).get("fate") != "replace"
+            return self.teardown or (read_json_or_none(self.run_dir.rescue_fate(self.rank, dead)) or {}).get("fate") != "replace"
 
-        return _wait_for(named, REPLACE_WAIT_S, stop=given_up)
-
-
-def _read(path):
-    try:
-        return read_json(path)
-    except (OSError, ValueError):
-        return None
+        return wait_for(named, REPLACE_WAIT_S, stop=given_up)
 
 
-def _wait_for(get, timeout: float, stop=lambda: False):
+def wait_for(get, timeout: float, stop=lambda: False):
+    """get()'s first true value within `timeout` seconds (polled every 50 ms), or None."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not stop():
         v = get()
@@ -175,12 +170,7 @@ def _wait_for(get, timeout: float, stop=lambda: False):
 
 
 def _is_child(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return False
-    return ppid == os.getpid()
+    return parent_pid(pid) == os.getpid()
 
 
 def _end_like(status: int) -> None:
