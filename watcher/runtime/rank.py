@@ -145,6 +145,7 @@ class RankRuntime:
         self.claim_lock = threading.Lock()
         self.seen_incident = (0, 0)   # (seq, monotonic ns) when this rank first saw an open hang
         self.stuck_seq = 0            # the incident handled while the training thread was stuck
+        self.hang_for_end = None      # the step end after which the last hang was opened: once per stall
         self.replicated = None        # do all ranks hold identical parameters (DDP)?
         self.replica_votes = 0        # steps so far on which they did (check_replicas)
         self.sdc_checked = -1
@@ -887,7 +888,12 @@ class RankRuntime:
                 # A long evaluation or checkpoint between steps is not a hang;
                 # a rank waiting inside a collective is.
                 waiting = self.in_flight > 0 or not self.groups
-                if stalled > limit and waiting and not self.exiting and self.ctl.incident_seq == self.handled_seq:
+                # Once per stall: a stuck hang handled out of band leaves the
+                # training thread where it was, and the same silence is not a
+                # second hang (under --rescue the stuck rank is being replaced).
+                if stalled > limit and waiting and not self.exiting and self.ctl.incident_seq == self.handled_seq \
+                        and last_end != self.hang_for_end:
+                    self.hang_for_end = last_end
                     ends = [self.ctl.latest_step(r) for r in range(self.world)]
                     self.ctl.open_incident({
                         "kind": "hang", "rank": self.rank, "failing_step": max(ends) + 1,
@@ -929,6 +935,7 @@ class RankRuntime:
         if not self.claim_incident(seq):
             return
         self.stuck_seq = seq
+        self.hang_for_end = end  # whichever rank opened it, this silence is handled: no second hang for it
         # Where this rank is stuck: outside any collective (the one its peers
         # wait for) or inside one (a waiter), and its training thread's frames.
         stuck = {"step": self.step + 1, "in_flight": self.in_flight, "where": where_waiting(threading.main_thread())}
