@@ -171,3 +171,26 @@ def test_a_rank_stuck_in_a_read_once_is_replaced_and_the_job_ends_as_if_it_never
     assert crash["detail"]["ended_by_watcher"]["incident_id"] == hang["incident_id"]
     assert (crash["detected_rank"], crash["detected_step"], crash["classification"], crash["recovered"]) == \
         (1, 12, "transient", True)
+
+
+def test_a_supervisor_let_go_ends_exactly_as_its_rank_did():
+    """The launcher must read the rank's own death from the supervisor: the
+    same signal (SIGKILL too, which has no handler to reset) or exit code."""
+    from watcher.runtime.supervisor import _end_like
+
+    for sig in (signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM):
+        rank = os.fork()
+        if rank == 0:
+            os.kill(os.getpid(), sig)
+            os._exit(99)
+        _, status = os.waitpid(rank, 0)
+        sup = os.fork()
+        if sup == 0:
+            _end_like(status)
+        _, ended = os.waitpid(sup, 0)
+        assert os.WIFSIGNALED(ended) and os.WTERMSIG(ended) == sig
+    sup = os.fork()
+    if sup == 0:
+        _end_like(3 << 8)  # a rank that exited 3
+    _, ended = os.waitpid(sup, 0)
+    assert os.waitstatus_to_exitcode(ended) == 3

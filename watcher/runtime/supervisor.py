@@ -179,8 +179,9 @@ def _end_like(status: int) -> None:
     sys.stderr.flush()
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset (it raises)
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
         os.kill(os.getpid(), sig)
         time.sleep(1)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 70)
