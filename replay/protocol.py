@@ -147,10 +147,10 @@ def _go_on(rt: Rank, info: dict, plan: dict, inc_dir, result_dir, verdict: Incid
         if rt.rank == 0:
             verdict.recovery = (
                 {"possible": True, "method": "the rank stuck outside any collective is ended and replaced: every "
-                 "rank resumes from its snapshot (watcher run --rescue; the crash incident that follows)"}
+                 "rank resumes from its snapshot (the rescue; the crash incident that follows)"}
                 if replace else
                 {"possible": False, "reason": "the rank is stuck outside any collective and its training thread "
-                 "cannot take the replayed state; the job is left to move on (watcher run --rescue replaces it)"})
+                 "cannot take the replayed state; the job is left to move on (the rescue, off here, replaces it)"})
             save_incident(rt.rundir, verdict)
         _close(rt, inc_dir, iid)
         if replace and stuck.get("in_flight") == 0:

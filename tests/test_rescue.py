@@ -19,9 +19,12 @@ from .conftest import ROOT, needs_bpf, query
 from .test_run import LIGHTNING, plain, plain_reference, reference  # noqa: F401,F811 (fixture)
 
 STEPS = 200
-# The processes the launcher started, one per rank: they never die while their rank is replaced.
-LAUNCHED = ("SELECT p.rank, p.exit_code, p.exit_signal FROM process p LEFT JOIN process parent "
-            "ON parent.upid = p.parent_upid WHERE p.rank IS NOT NULL AND parent.rank IS NULL ORDER BY p.rank")
+# The processes the launcher started, one per rank, are the ranks' supervisors:
+# they never die while their rank is replaced, and the recording labels their
+# live child, not them, as the rank.
+LAUNCHED = "SELECT count(*), max(exit_code), max(exit_signal) FROM process WHERE name = 'w-supervisor'"
+# Each rank's processes in order: the first (the supervisor's child) and the snapshot that took it over.
+RANK_PROCESSES = "SELECT rank, pid, exit_code, exit_signal FROM process WHERE rank IS NOT NULL ORDER BY rank, start_ts"
 
 
 def _logged_step(run: Path, rank: int) -> int:
@@ -86,7 +89,12 @@ def test_a_rank_killed_from_outside_is_replaced_and_the_job_ends_as_if_it_never_
     inc = _the_rescue(run, victim, 60)
     assert f"every rank resumed from step {inc['window']['from_step']}" in err
     rec = run / "recording.duckdb"
-    assert query(rec, LAUNCHED) == [(0, 0, None), (1, 0, None)]
+    assert query(rec, LAUNCHED) == [(2, 0, None)]
+    ranks = query(rec, RANK_PROCESSES)
+    assert [(r, code, sig) for r, _, code, sig in ranks] == \
+        [(0, None, signal.SIGKILL), (0, 0, None), (1, None, signal.SIGKILL), (1, 0, None)]  # the rescuer ended rank 0
+    resumed = json.loads((run / "runtime" / "rank1.process.json").read_text())["pid"]
+    assert (ranks[2][1], ranks[3][1]) == (victim, resumed)
     assert query(rec, "SELECT count(*) FROM process WHERE cmdline LIKE '%torch.distributed.run%'") == [(1,)]
     # Each step is in the record once per rank, the re-executed ones as they ran the second time.
     assert query(rec, "SELECT rank, count(DISTINCT step), max(step) FROM step GROUP BY 1 ORDER BY 1") == \

@@ -301,11 +301,12 @@ def test_incident_in_the_last_step_is_replayed_at_exit(tmp_path):
 def test_a_crash_that_does_not_come_back_in_replay_is_transient(tmp_path):
     """SIGSEGV on rank 1 in the live run only: the replay of every rank from
     the last snapshot runs past the crash step, so the crash was transient;
-    the launcher saw the rank die and its peer did not wait for it."""
+    the launcher saw the rank die (--no-rescue: the death ends the job) and
+    its peer did not wait for it."""
     from watcher.run import RunConfig, run
 
     res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True, snapshot_interval=4,
-                        copy_interval=0, inject={"scenario": "segv_once", "rank": 1, "step": 12}))
+                        copy_interval=0, rescue=False, inject={"scenario": "segv_once", "rank": 1, "step": 12}))
     assert res.exit_code != 0
     (inc,) = res.incidents
     assert (inc["incident_id"], inc["kind"], inc["detected_rank"], inc["detected_step"]) == ("inc-0001", "crash", 1, 12)
@@ -324,13 +325,14 @@ def test_a_native_crash_that_comes_back_is_persistent_with_its_site_in_the_chain
     step 8 both die of SIGSEGV at the same native instruction under the same
     Python line: persistent, one incident, and its causal chain (also in the
     recording's causal_link table) goes from the faulting native frame
-    through the Python frames to the death."""
+    through the Python frames to the death.  (--no-rescue: with the rescue
+    the same verdict comes after one rescue, tests/test_rescue.py.)"""
     import duckdb
 
     from watcher.run import RunConfig, run
 
     res = run(RunConfig(cmd=reference(tmp_path / "w.pt"), out=tmp_path / "run", quiet=True, snapshot_interval=4,
-                        copy_interval=0, inject={"scenario": "segv", "rank": 1, "step": 12}))
+                        copy_interval=0, rescue=False, inject={"scenario": "segv", "rank": 1, "step": 12}))
     assert res.exit_code != 0
     (inc,) = res.incidents
     assert (inc["kind"], inc["detected_rank"], inc["detected_step"], inc["classification"]) == \

@@ -262,7 +262,7 @@ def check(pid: Optional[int] = typer.Option(None, "--pid", help="Also look for l
 
 @app.command(epilog="Examples:\n\n  sudo watcher run -- torchrun --nproc_per_node=2 train.py\n\n"
                     "  sudo watcher run --policy observe --out run1 -- python train.py\n\n"
-                    "  sudo watcher run --rescue -- torchrun --nproc_per_node=8 train.py\n\n"
+                    "  sudo watcher run --no-rescue -- torchrun --nproc_per_node=8 train.py\n\n"
                     "  sudo watcher run --snapshot-budget 5 --detect hang_seconds=60 -- torchrun --nproc_per_node=8 train.py\n\n"
                     "  watcher sql run1/recording.duckdb \"SELECT * FROM incident\"")
 def run(
@@ -287,9 +287,11 @@ def run(
     health_dir: Optional[str] = typer.Option(None, "--health-dir", help="The node's device health ledger, shared by "
                                              "every run on the node: failures count across jobs, quarantined cores "
                                              "are left out of the launch, a node marked unusable refuses it (exit 8)."),
-    rescue: bool = typer.Option(False, "--rescue", help="A rank that dies (a signal, an OOM kill, an error exit) is "
-                                "replaced while the job runs: every rank resumes from its last snapshot on a rebuilt "
-                                "transport, and the launcher (torchrun) never sees the death. One node for now."),
+    rescue: bool = typer.Option(True, "--rescue/--no-rescue", help="A rank that dies (a signal, an OOM kill, an "
+                                "error exit) is replaced while the job runs: every rank resumes from its last snapshot "
+                                "on a rebuilt transport, and the launcher (torchrun) never sees the death. On by default "
+                                "under the recover and apply policies, on one node; --no-rescue lets a death end the job "
+                                "(it is then replayed and judged after the job)."),
 ):
     """Run a training command with recording, in-rank capture, snapshots, detectors and replay."""
     from .run import RunConfig, parse_detect, run as run_job

@@ -45,7 +45,7 @@ class Scenario:
     policy: str = "recover"                    # apply: the prescription must be applied and training finish
     op: str | None = None                      # software: the op the prescription must name
     precision: bool = False                    # software: clean in float64, and the prescription says so
-    rescue: bool = False                       # watcher run --rescue: a dead (or stuck) rank is replaced
+    rescue: bool = False                       # a dead (or stuck) rank is replaced; off, the death ends the job
 
 
 SCENARIOS = [

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .bpf.events import PROC_EXEC, PROC_EXIT, PROC_FORK, PROC_REAP, PROC_THREAD
+from .runtime.control import parent_pid
+from .runtime.supervisor import COMM as SUPERVISOR
 
 
 @dataclass
@@ -222,6 +224,7 @@ class ProcessModel:
                         self.threads[utid].name = name
                         if tid == pid:
                             self.processes[self.threads[utid].upid].name = name
+                            self.settle_rank(self.processes[self.threads[utid].upid])
                 if int(e["flags"]) & 1:
                     p = self.processes[self.upid(pid)]
                     p.end_ts = ts
@@ -250,11 +253,30 @@ class ProcessModel:
                         self.processes[t.upid].name = name
                     self.dirty = True
         for p in self.processes:
-            if p.end_ts is None and p.rank is None and p.start_ts is not None:
-                if self.forked_from_rank(p):
-                    continue
-                if _set_ranks(p):
-                    self.dirty = True
+            if (p.end_ts is None or p.name == SUPERVISOR) and self.settle_rank(p):
+                self.dirty = True
+
+    def settle_rank(self, p: ProcessRow) -> bool:
+        """Which process is the rank when Watcher splits it (`watcher run`'s
+        rescue, runtime/supervisor.py): the supervisor, the process the
+        launcher started, is not; its live child is, and after a rescue so is
+        the snapshot that took the rank over (a fork of the dead rank, now
+        the supervisor's child, named as a rank again).  True if changed."""
+        if p.name == SUPERVISOR:
+            if p.rank is None:
+                return False
+            p.rank = p.local_rank = p.world_size = None
+            return True
+        if p.rank is not None or p.end_ts is not None or p.start_ts is None or p.name.startswith("w-"):
+            return False
+        if self.forked_from_rank(p) and not self._under_supervisor(p):
+            return False
+        return _set_ranks(p)
+
+    def _under_supervisor(self, p: ProcessRow) -> bool:
+        parent = self.pid_to_upid.get(parent_pid(p.pid))
+        return parent is not None and self.processes[parent].name == SUPERVISOR \
+            and self.processes[parent].end_ts is None
 
     def forked_from_rank(self, p: ProcessRow) -> bool:
         """A fork of a rank that did not exec (DataLoader worker, Watcher

@@ -30,7 +30,7 @@ EVERY_S = 0.1
 class RankDeaths:
     def __init__(self, run_dir: RunDir, ctl: Control, rescue: bool = False):
         self.run_dir, self.ctl = run_dir, ctl
-        # `watcher run --rescue`: deaths the ranks' supervisors report are answered here (rescue.py).
+        # The rescue (on unless --no-rescue): deaths the ranks' supervisors report are answered here (rescue.py).
         self.rescuer = Rescuer(run_dir, ctl) if rescue else None
         self.known: dict[int, tuple[int, int]] = {}   # rank -> (pid, start ticks)
         self.gone: list[int] = []

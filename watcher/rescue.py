@@ -1,6 +1,6 @@
 """A rank that died, replaced while the job runs: no restart, no checkpoint.
 
-Under `watcher run --rescue` every rank's launcher-visible process is a
+Under `watcher run` (unless --no-rescue) every rank's launcher-visible process is a
 supervisor (runtime/supervisor.py) that reports its rank's death and waits
 for a word.  This side, in `watcher run` beside its watch over the ranks
 (rank_deaths.py), decides:

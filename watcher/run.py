@@ -60,7 +60,7 @@ class RunConfig:
     retain_s: float = 300.0             # a persistent incident's snapshots outlive the run this long
     audit_budget: float = 0.5           # percent of the job's time the background SDC audit may use; 0 is off
     health_dir: Path | None = None      # the node's device health ledger (health.py); None: this run's only
-    rescue: bool = False                # a rank that dies is replaced while the job runs (rescue.py)
+    rescue: bool = True                 # a rank that dies is replaced while the job runs (rescue.py); acting policies only
     quiet: bool = False
 
     def validate(self) -> None:
@@ -105,7 +105,7 @@ class RunConfig:
             env.pop("WATCHER_REPLAY_CHECK", None)
         if self.detect:
             env["WATCHER_DETECT"] = json.dumps(self.detect)
-        if self.rescue:
+        if self.rescue and self.policy in ("recover", "apply"):  # observe never acts on the job
             env[supervisor.ENV] = "1"
         else:
             env.pop(supervisor.ENV, None)

@@ -890,7 +890,7 @@ class RankRuntime:
                 waiting = self.in_flight > 0 or not self.groups
                 # Once per stall: a stuck hang handled out of band leaves the
                 # training thread where it was, and the same silence is not a
-                # second hang (under --rescue the stuck rank is being replaced).
+                # second hang (under the rescue the stuck rank is being replaced).
                 if stalled > limit and waiting and not self.exiting and self.ctl.incident_seq == self.handled_seq \
                         and last_end != self.hang_for_end:
                     self.hang_for_end = last_end

@@ -114,7 +114,7 @@ def _await_members(rt, store, keys: list[str], ranks: list[int]) -> tuple[str | 
 
 
 def _wait_for_rescue(rt, ranks: list[int]) -> None:
-    """Under `watcher run --rescue` a member's death may be undone: every rank
+    """Under a rescued `watcher run` a member's death may be undone: every rank
     of the job is then replaced from its snapshot (watcher/rescue.py), this
     process included, which the launcher side ends.  Wait for that; return
     if the launcher lets the death go (the failure then reaches training)."""

@@ -42,8 +42,12 @@ def where_waiting(thread: threading.Thread) -> dict:
         if out["training_line"] is None and not _machinery(code.co_filename):
             out["training_line"] = line
         frame = frame.f_back
+    # A forked process's main thread keeps its parent's native_id in Python
+    # 3.11 (a rank split from its supervisor, a snapshot taken over); a
+    # main thread's tid is always its process's pid.
+    tid = os.getpid() if thread is threading.main_thread() else thread.native_id
     try:
-        with open(f"/proc/self/task/{thread.native_id}/syscall") as f:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
             first = f.read().split()[0]
         out["syscall"] = "running" if first == "running" else syscall_name(int(first))
     except (OSError, ValueError, IndexError):

@@ -2,8 +2,8 @@
 alive while Watcher replaces the rank under it.
 
 A launcher (torchrun, Lightning's, srun) watches the processes it started:
-the moment one dies it tears the whole job down.  Under `watcher run
---rescue` each rank splits in two as soon as it has imported torch: the
+the moment one dies it tears the whole job down.  Under `watcher run`
+(unless --no-rescue, or policy observe; on one node) each rank splits in two as soon as it has imported torch: the
 process the launcher knows becomes this supervisor, and its child goes on as
 the rank.  When the rank dies of itself (a signal, an error exit), the
 supervisor reports the death (DIR/runtime/rescue/) and waits for the
@@ -38,6 +38,7 @@ PID_ENV = "WATCHER_SUPERVISOR_PID"
 # with another LOCAL_RANK (Lightning's rank 1, started by rank 0) is.
 AS_ENV = "WATCHER_SUPERVISED_AS"
 PR_SET_CHILD_SUBREAPER = 36
+COMM = "w-supervisor"    # its process name: the recorder labels its live child, not it, as the rank
 FATE_WAIT_S = 30.0       # the launcher side answers a death report within a second; this is its outer bound
 REPLACE_WAIT_S = 120.0   # from "replace" to the replacement naming itself
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -45,12 +46,15 @@ TEARDOWN = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def wanted() -> bool:
-    """A process of a `watcher run --rescue` job that is, or may become, a
+    """A process of a rescued `watcher run` job that is, or may become, a
     rank and is not supervised yet: one a launcher started as a rank (RANK
     or LOCAL_RANK set), or the job's first process to import torch when it is
     not a launcher (a script that becomes rank 0 itself, as under Lightning)."""
     if os.environ.get(ENV) != "1" or os.environ.get(AS_ENV) == _identity():
         return False
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local and world and local != world:
+        return False  # a job on several nodes: its ranks are not replaced yet (rescue.py), so no split
     if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
         return True
     return AS_ENV not in os.environ and not _is_launcher()
@@ -105,7 +109,7 @@ class Supervisor:
     def run(self) -> None:
         try:
             with open("/proc/self/comm", "w") as f:
-                f.write("w-supervisor")
+                f.write(COMM)
         except OSError:
             pass
         for sig in FORWARDED:
