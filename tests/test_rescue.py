@@ -136,6 +136,9 @@ def test_a_native_crash_that_comes_back_after_a_rescue_is_persistent_and_not_res
         ("crash", 1, 12, "persistent")
     assert (second["replay"]["crashed_again"], second["replay"]["replay_signal"]) == (True, "SIGSEGV")
     assert (second["attribution"]["cause"], second["prescription"]["action"]) == ("software", "fix_kernel")
+    # The crash judged after the job is the last death, of the process that took rank 1 over, not the rescued one.
+    last = json.loads((tmp_path / "run" / "runtime" / "rank1.process.json").read_text())["pid"]
+    assert second["detail"]["pid"] == last != first["detail"]["pid"]
     fates = sorted(p.name for p in (tmp_path / "run" / "runtime" / "rescue").glob("fate.rank1.*"))
     assert len(fates) == 2  # replaced once, let go once
 

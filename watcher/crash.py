@@ -31,7 +31,7 @@ from .launcher_link import LauncherLink, multi_node
 from .replay.relay import ExchangeRelay, assigned_pulls
 from .replay.snapshot import replay_order
 from .replay.verdict import classify_crash, crash_replay_verdict
-from .rundir import STOP_EXIT_CODE, ReplayDir, RunDir, read_json, write_json
+from .rundir import STOP_EXIT_CODE, ReplayDir, RunDir, read_json, read_json_or_none, write_json
 from .runtime import crashsite
 from .store import rank_processes
 
@@ -45,7 +45,8 @@ TEARDOWN = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
 def crash_incident(run_dir: RunDir) -> Incident | None:
     """The crash incident of a job that lost a rank, written to the run directory."""
     try:
-        ranks = rank_processes(run_dir.recording)
+        # A death the rescue undid is not the job's crash (rescue.py judged it).
+        ranks = [r for r in rank_processes(run_dir.recording, _took_over(run_dir)) if not _rescued(run_dir, r)]
     except duckdb.Error:
         return None
     job = read_json(run_dir.job) if run_dir.job.exists() else {}
@@ -71,6 +72,21 @@ def crash_incident(run_dir: RunDir) -> Incident | None:
         verdict.replay = _no_replay("the rank crashed before its first snapshot")
     save_incident(run_dir, verdict)
     return verdict
+
+
+def _took_over(run_dir: RunDir) -> dict[int, int]:
+    """{pid: rank} of the processes that resumed a rank after a rescue: the
+    last process each rank named (DIR/runtime/rank<r>.process.json)."""
+    out = {}
+    for rank, path in run_dir.rank_process_files():
+        p = read_json_or_none(path) or {}
+        if p.get("rescue") and p.get("pid"):
+            out[int(p["pid"])] = rank
+    return out
+
+
+def _rescued(run_dir: RunDir, r: dict) -> bool:
+    return (read_json_or_none(run_dir.rescue_fate(r["rank"], r["pid"])) or {}).get("fate") == "replace"
 
 
 def _crashed(r: dict) -> bool:

@@ -73,7 +73,9 @@ TABLES: tuple[Table, ...] = (
         C("end_ts", TS, "Time the whole process exited, NULL while alive."),
         C("exit_code", "INTEGER", "Exit code when it exited normally, else NULL."),
         C("exit_signal", "INTEGER", "Signal number that killed it, else NULL."),
-        C("rank", "INTEGER", "torch.distributed RANK from the process environment, NULL when not a rank."),
+        C("rank", "INTEGER", "torch.distributed RANK from the process environment, NULL when not a rank (nor is a "
+                             "rank's supervisor under `watcher run`: its child is, and so is a snapshot that took "
+                             "the rank over after a rescue)."),
         C("local_rank", "INTEGER", "LOCAL_RANK from the process environment."),
         C("world_size", "INTEGER", "WORLD_SIZE from the process environment."),
     )),

@@ -312,16 +312,28 @@ def causal_link_rows(inc: dict) -> list[tuple]:
     return rows
 
 
-def rank_processes(path: Path) -> list[dict]:
-    """The ranks' own processes in a recording (not their forks), in the order they ended."""
+def rank_processes(path: Path, took_over: dict[int, int] | None = None) -> list[dict]:
+    """The ranks' own processes in a recording, in the order they ended: not
+    their forks or the programs they run.  `took_over` ({pid: rank}) adds the
+    snapshots that took a rank over after a rescue, as the ranks named them
+    (the recording labels such a fork only once it has seen it renamed)."""
     con = duckdb.connect(str(path), read_only=True)
     try:
         rows = con.execute(
             "SELECT p.rank, p.pid, p.exit_code, p.exit_signal, p.end_ts FROM process p "
             "LEFT JOIN process parent ON parent.upid = p.parent_upid "
             "WHERE p.rank IS NOT NULL AND parent.rank IS NULL ORDER BY p.end_ts").fetchall()
+        seen = {r[1] for r in rows}
+        for pid, rank in (took_over or {}).items():
+            if pid in seen:
+                continue
+            row = con.execute("SELECT pid, exit_code, exit_signal, end_ts FROM process WHERE pid = ? "
+                              "ORDER BY upid DESC LIMIT 1", [pid]).fetchone()
+            if row is not None:
+                rows.append((rank, *row))
     finally:
         con.close()
+    rows.sort(key=lambda r: (r[4] is None, r[4] or 0))
     return [dict(zip(("rank", "pid", "exit_code", "exit_signal", "end_ts"), r)) for r in rows]
 
 
