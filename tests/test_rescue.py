@@ -205,3 +205,37 @@ def test_a_supervisor_let_go_ends_exactly_as_its_rank_did():
         _end_like(3 << 8)  # a rank that exited 3
     _, ended = os.waitpid(sup, 0)
     assert os.waitstatus_to_exitcode(ended) == 3
+
+
+def test_a_ctrl_c_at_the_terminal_is_not_passed_on_twice():
+    """A Ctrl-C at the terminal reaches the whole foreground group, the rank
+    included: its supervisor passes on only what the terminal did not send
+    (a launcher's SIGINT, from outside the group)."""
+    import pty
+
+    from watcher.runtime.supervisor import terminal_sent_it
+
+    pid, fd = pty.fork()  # the child leads a session whose terminal is the pty: its foreground group
+    if pid == 0:
+        os.write(1, b"yes\n" if terminal_sent_it() else b"no\n")
+        os._exit(0)
+    out = b""
+    while not out.endswith(b"\n"):
+        try:
+            chunk = os.read(fd, 64)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    os.close(fd)
+    assert out.strip() == b"yes"
+    with open(os.devnull) as null:  # no terminal: everything is passed on
+        saved = os.dup(0)
+        os.dup2(null.fileno(), 0)
+        try:
+            assert terminal_sent_it() is False
+        finally:
+            os.dup2(saved, 0)
+            os.close(saved)

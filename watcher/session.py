@@ -25,6 +25,7 @@ from .errors import RecordingError, TargetError, UsageError
 from .live import LiveView
 from .privileges import explain_compile_failure, require_bcc, require_bpf_privileges
 from .process_model import decode_wait_status
+from .runtime.supervisor import terminal_sent_it
 from .store import RecordingWriter, give_to_invoking_user
 from .uprobes.hold import HoldServer
 from .uprobes.preattach import PREATTACH
@@ -126,15 +127,6 @@ def _ppid(pid: int) -> int | None:
         return int(_stat_fields(pid)[1])
     except (OSError, ValueError):
         return None
-
-
-def _terminal_sent_it() -> bool:
-    """Is this process in its terminal's foreground group (so a Ctrl-C there
-    went to the whole group, the recorded child included)?"""
-    try:
-        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except (OSError, ValueError):
-        return False
 
 
 def _alive(pid: int) -> bool:
@@ -347,7 +339,7 @@ class Session:
                 # The child decides when it is done; a second signal stops now.
                 # A Ctrl-C at the terminal already reached the child (same
                 # foreground process group): do not send it a second one.
-                if not (signum == signal.SIGINT and _terminal_sent_it()):
+                if not (signum == signal.SIGINT and terminal_sent_it()):
                     try:
                         os.kill(forward_to, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
                     except ProcessLookupError:

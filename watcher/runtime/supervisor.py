@@ -129,6 +129,8 @@ class Supervisor:
     def _forward(self, sig, _frame) -> None:
         if sig in TEARDOWN:
             self.teardown = True
+        if sig in (signal.SIGINT, signal.SIGQUIT) and terminal_sent_it():
+            return  # a Ctrl-C at the terminal reached the rank too (the same process group): not twice
         try:
             os.kill(self.live, sig)
         except OSError:
@@ -160,6 +162,15 @@ class Supervisor:
             return self.teardown or (read_json_or_none(self.run_dir.rescue_fate(self.rank, dead)) or {}).get("fate") != "replace"
 
         return wait_for(named, REPLACE_WAIT_S, stop=given_up)
+
+
+def terminal_sent_it() -> bool:
+    """Is this process in its terminal's foreground group (so a Ctrl-C there
+    went to the whole group, its children included)?"""
+    try:
+        return os.tcgetpgrp(0) == os.getpgrp()  # fd 0: the terminal, whatever sys.stdin became
+    except (OSError, ValueError):
+        return False
 
 
 def wait_for(get, timeout: float, stop=lambda: False):
