@@ -7,6 +7,7 @@ no checkpoint is ever opened (the reference job here has none)."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -192,17 +193,29 @@ def test_a_supervisor_let_go_ends_exactly_as_its_rank_did():
     for sig in (signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM):
         rank = os.fork()
         if rank == 0:
-            os.kill(os.getpid(), sig)
-            os._exit(99)
+            try:
+                faulthandler.disable()  # pytest's, which would print a fatal error for the rank's own SIGSEGV
+                if sig != signal.SIGKILL:
+                    signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+            finally:
+                os._exit(99)
         _, status = os.waitpid(rank, 0)
         sup = os.fork()
         if sup == 0:
-            _end_like(status)
+            try:
+                faulthandler.disable()
+                _end_like(status)
+            finally:
+                os._exit(98)
         _, ended = os.waitpid(sup, 0)
         assert os.WIFSIGNALED(ended) and os.WTERMSIG(ended) == sig
     sup = os.fork()
     if sup == 0:
-        _end_like(3 << 8)  # a rank that exited 3
+        try:
+            _end_like(3 << 8)  # a rank that exited 3
+        finally:
+            os._exit(98)
     _, ended = os.waitpid(sup, 0)
     assert os.waitstatus_to_exitcode(ended) == 3
 
@@ -217,8 +230,10 @@ def test_a_ctrl_c_at_the_terminal_is_not_passed_on_twice():
 
     pid, fd = pty.fork()  # the child leads a session whose terminal is the pty: its foreground group
     if pid == 0:
-        os.write(1, b"yes\n" if terminal_sent_it() else b"no\n")
-        os._exit(0)
+        try:
+            os.write(1, b"yes\n" if terminal_sent_it() else b"no\n")
+        finally:
+            os._exit(0)
     out = b""
     while not out.endswith(b"\n"):
         try:

@@ -37,6 +37,7 @@ from . import supervisor, transport
 from .checksum import tensors_sum
 
 JOIN_TIMEOUT_S = 60.0
+DEATH_REPORT_WAIT_S = 5.0  # for a dead member's supervisor to report it (it does as it reaps it)
 
 
 def can_relink(rt, group) -> bool:
@@ -120,13 +121,24 @@ def _wait_for_rescue(rt, ranks: list[int]) -> None:
     if the launcher lets the death go (the failure then reaches training)."""
     if not os.environ.get(supervisor.PID_ENV):
         return
-    deadline = time.monotonic() + supervisor.FATE_WAIT_S + supervisor.REPLACE_WAIT_S
+    start = time.monotonic()
+    deadline = start + supervisor.FATE_WAIT_S + supervisor.REPLACE_WAIT_S
     while time.monotonic() < deadline:
         for g in ranks:
             if not rt.ctl.gone(g):
                 continue
             try:
                 pid = read_json(rt.rundir.rank_process(g))["pid"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if not rt.rundir.rescue_death(g, pid).exists():
+                # Its supervisor reports a death as it reaps it, before the
+                # launcher marks it gone: none means it ended well (a clean
+                # stop, exit 75): nothing will replace it.
+                if time.monotonic() - start > DEATH_REPORT_WAIT_S:
+                    return
+                continue
+            try:
                 if read_json(rt.rundir.rescue_fate(g, pid)).get("fate") != "replace":
                     return
             except (OSError, ValueError, KeyError, TypeError):
