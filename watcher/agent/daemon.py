@@ -321,19 +321,24 @@ class Agent:
                 "agent_job": job.id, "agent_node": self.config.node, "agent_reason": reason,
                 "complete": "true", "end_ts": monotonic_ns(), "events": c.stats.total_events,
                 "drops": c.stats.total_drops, "ring_minutes": self.config.ring_minutes,
-                "job_exit_code": p.exit_code, "job_exit_signal": p.exit_signal})
+                "job_exit_code": p.exit_code, "job_exit_signal": p.exit_signal},
+                before_publish=lambda done: self._export(done, out, job))
         except Exception as e:  # a failed keep must not stop the recording of the others
             self._say(f"cannot keep {job.id}: {e}")
             return None
         job.kept.append(str(out))
         self._say(f"kept {job.id} ({reason}): {out}")
-        if self.config.parquet is not None:
-            try:
-                export_parquet(out, self.config.parquet, self.config.node, job.id)
-            except Exception as e:
-                self._say(f"cannot export {out} to {self.config.parquet}: {e}")
         self._write_state()
         return out
+
+    def _export(self, rec: Path, name: Path, job: Job) -> None:
+        """Into the Parquet tree, before the kept recording takes its name."""
+        if self.config.parquet is None:
+            return
+        try:
+            export_parquet(rec, self.config.parquet, self.config.node, job.id)
+        except Exception as e:  # the recording is kept all the same
+            self._say(f"cannot export {name} to {self.config.parquet}: {e}")
 
     # -- after each flush: job states, incidents, metrics --------------------
     def _after_flush(self) -> None:

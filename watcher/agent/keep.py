@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import duckdb
@@ -40,9 +42,13 @@ def _row_filter(table: schema.Table, db: str) -> str:
     return "true"
 
 
-def keep_job(con: duckdb.DuckDBPyConnection, out: Path, upids: list[int], meta: dict) -> Path:
+def keep_job(con: duckdb.DuckDBPyConnection, out: Path, upids: list[int], meta: dict,
+             before_publish=None) -> Path:
     """Write the rows of processes `upids` from the live database behind
-    `con` to the recording `out`, with `meta` over the live meta."""
+    `con` to the recording `out`, with `meta` over the live meta.
+    `before_publish(path)` runs on the complete file before it takes its
+    name (the Parquet export: a kept recording in place means everything
+    about it is done)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
@@ -68,6 +74,8 @@ def keep_job(con: duckdb.DuckDBPyConnection, out: Path, upids: list[int], meta: 
     finally:
         con.execute("DETACH _kept")
         con.execute("DROP TABLE IF EXISTS _keep_upids")
+    if before_publish is not None:
+        before_publish(tmp)
     os.replace(tmp, out)
     give_to_invoking_user(out)
     return out
@@ -82,8 +90,29 @@ def safe_name(text: str) -> str:
 
 
 def export_parquet(rec: Path, tree: Path, node: str, job: str) -> int:
-    """Add recording `rec` to the Parquet tree; returns the rows written."""
+    """Add recording `rec` to the Parquet tree; returns the rows written.
+
+    Files are written beside the tree and each renamed into it when
+    complete: a reader of the tree (another node's `watcher sql`, Spark)
+    never opens a half-written one."""
     node, job = safe_name(node), safe_name(job)
+    tree.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{tree.name}.staging-", dir=tree.parent))
+    try:
+        total = _export(rec, staging, node, job)
+        for f in sorted(staging.rglob("*.parquet")):
+            dest = tree / f.relative_to(staging)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(f, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    marker = tree / PARQUET_MARKER
+    if not marker.exists():
+        marker.write_text("Watcher recordings as Hive-partitioned Parquet: <table>/node=/job=/rank=/\n")
+    return total
+
+
+def _export(rec: Path, tree: Path, node: str, job: str) -> int:
     con = duckdb.connect(str(rec), read_only=True, config={"threads": 1})
     total = 0
     try:
@@ -112,8 +141,5 @@ def export_parquet(rec: Path, tree: Path, node: str, job: str) -> int:
             total += n
     finally:
         con.close()
-    marker = tree / PARQUET_MARKER
-    if not marker.exists():
-        marker.write_text("Watcher recordings as Hive-partitioned Parquet: <table>/node=/job=/rank=/\n")
     return total
 
