@@ -55,17 +55,19 @@ def test_ring_mode_keeps_the_window_in_memory_and_dumps_on_sigusr1_and_exit(tmp_
         import os, sys, time
         for _ in range(1000):
             os.getppid()
+        print("ready", flush=True)
         sys.stdin.readline()
         for _ in range(2000):
             os.getppid()
     """)
     w = subprocess.Popen([sys.executable, "-m", "watcher.cli", "record", "--out", str(out),
                           "--ring-minutes", "5", "--", py, "-c", script], cwd=ROOT,
-                         stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Probe notes (one line per library attached) may come first.
         assert _line_with("Recording", w.stderr)
-        time.sleep(1.5)
+        assert w.stdout.readline() == "ready\n"  # its first 1000 made
+        time.sleep(1.0)
         assert not out.exists()          # nothing on disk until asked
         w.send_signal(signal.SIGUSR1)
         line = _line_with("Wrote the last 5 min", w.stderr)

@@ -7,6 +7,22 @@ from .conftest import needs_bpf, query, record
 
 pytestmark = needs_bpf
 
+# For the scripts below (put where they use it: the recording keeps only
+# the start of a command line, which the tests match on): run fn 50 ms after the main thread has blocked in
+# syscall number `nr` (seen in /proc), not 50 ms after the thread starts, which
+# on a busy machine may be before the main thread got there.
+WHEN_BLOCKED = """
+def when_blocked(nr, fn):
+    import threading, time
+    main = threading.get_native_id()
+    def run():
+        while open(f"/proc/self/task/{main}/syscall").read().split()[0] != str(nr):
+            time.sleep(0.001)
+        time.sleep(0.05)
+        fn()
+    threading.Thread(target=run).start()
+"""
+
 GETPPID_STORM = textwrap.dedent("""
     import os, select
     for _ in range(10_000):
@@ -22,11 +38,11 @@ GETPPID_STORM = textwrap.dedent("""
     p.poll(0)
     os.read(r, 1)
     # one that blocks 50 ms until another thread writes: logged
-    import threading, time
-    threading.Thread(target=lambda: (time.sleep(0.05), os.write(w, b"y"))).start()
+    #WHEN_BLOCKED
+    when_blocked(7, lambda: os.write(w, b"y"))  # 7: poll
     p.poll(5000)
     raise SystemExit(7)
-""")
+""").replace("#WHEN_BLOCKED\n", WHEN_BLOCKED)
 
 
 def test_exactly_10000_getppid_are_recorded(tmp_path, py):
@@ -70,13 +86,14 @@ SOCKET_TRANSFERS = textwrap.dedent("""
             pass
     b.setblocking(True)
     # one receive that blocks 50 ms until another thread sends: logged
-    threading.Thread(target=lambda: (time.sleep(0.05), a.send(b"late"))).start()
+    #WHEN_BLOCKED
+    when_blocked(45, lambda: a.send(b"late"))  # 45: recvfrom
     b.recv(4)
     # one that meets end-of-stream (ret 0): logged
     a.close()
     assert b.recv(4) == b""
     raise SystemExit(3)
-""")
+""").replace("#WHEN_BLOCKED\n", WHEN_BLOCKED)
 
 QUICK_NS = 1_000_000  # RecorderConfig.poll_log_min_ns
 
