@@ -20,18 +20,43 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torch":
             return None
-        sys.meta_path.remove(self)  # one shot; let the real finders resolve torch
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
         real_exec = spec.loader.exec_module
 
         def exec_module(module):
+            # One shot, taken when torch is really imported (a library that only
+            # asks whether torch exists, importlib.util.find_spec, gets here too
+            # and must not use it up).
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _split_safely()
             real_exec(module)
             _install_safely()
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def _split_safely() -> None:
+    """A rank of a rescued job splits from its supervisor as it starts
+    importing torch, not after: the supervisor (the process the launcher
+    watches, runtime/supervisor.py) then never holds torch, and costs a bare
+    interpreter's memory instead of a copy of the rank's."""
+    try:
+        # Imported here, not at the top: this module loads in every Python
+        # process of the job (sitecustomize), most of which never import torch.
+        import os
+        from pathlib import Path
+
+        from . import supervisor  # no torch in it (nor in rundir): the supervisor stays bare
+        from ..rundir import RunDir  # as above
+
+        if supervisor.wanted():
+            supervisor.split(RunDir(Path(os.environ["WATCHER_RUN_DIR"])))
+    except Exception as e:  # fail open: not split, so not rescued; training goes on
+        print(f"watcher: rank not supervised in pid {__import__('os').getpid()}: {e}", file=sys.stderr)
 
 
 def _install_safely() -> None:

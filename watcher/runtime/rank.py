@@ -1149,7 +1149,9 @@ def install() -> None:
     if RUNTIME is not None:
         return
     if supervisor.wanted():
-        # The launcher's process stays a supervisor; this one goes on as the rank.
+        # Not split as torch's import began (bootstrap.py): torch was imported
+        # before Watcher was armed.  The launcher's process stays a supervisor;
+        # this one goes on as the rank.
         supervisor.split(RunDir(Path(os.environ["WATCHER_RUN_DIR"])))
     RUNTIME = RankRuntime(Path(os.environ["WATCHER_RUN_DIR"]))
     register_optimizer_step_post_hook(_guard(lambda rt, opt, args, kwargs: rt.on_optimizer_step(opt)))

@@ -3,7 +3,8 @@ alive while Watcher replaces the rank under it.
 
 A launcher (torchrun, Lightning's, srun) watches the processes it started:
 the moment one dies it tears the whole job down.  Under `watcher run`
-(unless --no-rescue, or policy observe; on one node) each rank splits in two as soon as it has imported torch: the
+(unless --no-rescue, or policy observe; on one node) each rank splits in two
+as it starts importing torch (so this process never holds torch): the
 process the launcher knows becomes this supervisor, and its child goes on as
 the rank.  When the rank dies of itself (a signal, an error exit), the
 supervisor reports the death (DIR/runtime/rescue/) and waits for the
