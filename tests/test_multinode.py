@@ -163,3 +163,12 @@ def test_a_rank_crashed_on_node_1_is_replayed_across_nodes_after_the_job(nodes, 
         # node 0's ranks' inputs relayed over the link, matched the record.
         assert rep["crashed_again"] is False and rep["first_divergence"] is None
         assert rep["replayed_steps"] == [9, 10, 11, 12]
+    # No rank was replaced (not built across nodes), and that was said: once
+    # per node at start, in each run directory for every rank, and in the report.
+    off = "a rank that dies is not replaced on a job that spans nodes"
+    assert [p.stderr.count(off) for p in done] == [1, 1], [p.stderr[-3000:] for p in done]
+    rows = watcher("sql", str(tmp_path / "node0" / "recording.duckdb"), str(tmp_path / "node1" / "recording.duckdb"),
+                   "SELECT DISTINCT rank, reason FROM protection ORDER BY rank", "--format", "json", check=True).stdout
+    assert [(r["rank"], off in r["reason"]) for r in json.loads(rows)] == [(r, True) for r in range(4)]
+    report = watcher("report", str(tmp_path / "node0"), str(tmp_path / "node1"), check=True).stdout
+    assert sum(line.startswith(f"protection off on ranks 0, 1, 2, 3: {off}") for line in report.splitlines()) == 1

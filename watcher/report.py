@@ -153,8 +153,7 @@ def text_report(data: dict) -> str:
     if data.get("nodes"):
         out.append(f"{len(data['nodes'])} nodes: " + ", ".join(
             f"{n['name']} (ranks {n['ranks'][0]}..{n['ranks'][1]})" for n in data["nodes"]))
-    for off in data.get("unprotected") or []:
-        out.append(f"protection off on rank {off['rank']}: {off['reason']}")
+    out += describe_unprotected(data.get("unprotected") or [])
     cost = own_cost(data["steps"])
     if cost is not None:
         out.append(f"Watcher's own time in the ranks: {100 * cost:.1f}% of step time (median over steps)")
@@ -382,3 +381,12 @@ def report(paths: list[str], html_out: Path | None) -> str:
     if html_out is not None:
         html_out.write_text(html_report(data, ", ".join(map(str, paths))))
     return text_report(data)
+
+
+def describe_unprotected(rows: list[dict]) -> list[str]:
+    """One line per reason protection was off, with the ranks it was off on."""
+    ranks: dict[str, list[int]] = {}
+    for off in rows:
+        ranks.setdefault(off["reason"], []).append(off["rank"])
+    return [f"protection off on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, sorted(set(rs))))}: {why}"
+            for why, rs in ranks.items()]

@@ -33,6 +33,7 @@ from .errors import NodeUnusable, RecordingError, UsageError
 from .incident import Incident, load_incidents, save_incident
 from .privileges import require_bcc, require_bpf_privileges
 from .rank_deaths import RankDeaths
+from .report import describe_unprotected
 from .rundir import RunDir, read_json, write_json
 from .runtime import crashsite, supervisor, wordsum
 from .runtime.control import PAUSE_RECORDER, SIZE, Control
@@ -214,8 +215,8 @@ def run(cfg: RunConfig) -> RunResult:
     if not cfg.quiet:
         if audit:
             print(describe_audit(audit), file=sys.stderr)
-        for off in run_dir.refusals():
-            print(f"watcher: protection was off on rank {off['rank']}: {off['reason']}", file=sys.stderr)
+        for line in describe_unprotected(run_dir.refusals()):
+            print(f"watcher: {line}", file=sys.stderr)
         for inc in incidents:
             print(describe(inc), file=sys.stderr)
     _reap_orphans()

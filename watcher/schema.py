@@ -298,8 +298,9 @@ TABLES: tuple[Table, ...] = (
         C("fd", "INTEGER", "Inherited descriptor, where the call takes one."),
         C("action", "VARCHAR", "denied (EPERM), swallowed (reported done, nothing happened), redirected to /dev/null, or not allowed (ENOSYS: a call not on the replay's allowlist)."),
     )),
-    Table("protection", "Ranks of a `watcher run` job on which snapshots and replay were off, and why "
-          "(functional collectives, an unreachable store, ...): said at once on the job's stderr, never silent.", (
+    Table("protection", "Ranks of a `watcher run` job on which snapshots and replay were off, or a part of "
+          "protection was (a dead rank's replacement on a job that spans nodes), and why (functional collectives, "
+          "an unreachable store, ...): said at once on the job's stderr, never silent.", (
         C("rank", "INTEGER", "Global rank."),
         C("reason", "VARCHAR", "Why, in words, and what still runs."),
         C("unix_time", "DOUBLE", "When the rank found out (Unix time, s)."),

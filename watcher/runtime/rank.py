@@ -286,13 +286,21 @@ class RankRuntime:
         self.rundir.shared = self.link.store
         self.local_ranks = layout.local_ranks()
         self.halt_margin = 2  # see nodes.py: the leader learns of an incident one step later
+        if os.environ.get(supervisor.ENV) == "1":  # asked for, and not built across nodes (supervisor.wanted)
+            self.refuse("a rank that dies is not replaced on a job that spans nodes (not built yet): its death ends "
+                        "the job, and is replayed across nodes after it; snapshots, replay and recovery of every "
+                        "other failure are on", whole=False, say=layout.leader)
 
-    def refuse(self, reason: str) -> None:
-        """Protection is off for this rank: say so once, on the job's stderr and in the run directory."""
+    def refuse(self, reason: str, whole: bool = True, say: bool = True) -> None:
+        """Protection is off for this rank (whole: snapshots and replay; else
+        the part `reason` names): say so once, on the job's stderr (unless
+        another rank says it for the node) and in the run directory."""
         if self.unsupported is not None:
             return
-        self.unsupported = reason
-        print(f"watcher: rank {self.rank}: {reason}", file=sys.stderr, flush=True)
+        if whole:
+            self.unsupported = reason
+        if say:
+            print(f"watcher: rank {self.rank}: {reason}", file=sys.stderr, flush=True)
         try:
             write_json(self.rundir.refusal(self.rank), {"rank": self.rank, "reason": reason, "ts": time.time()})
         except OSError:
