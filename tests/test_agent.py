@@ -58,6 +58,14 @@ class AgentProc:
                 time.sleep(0.1)
         raise AssertionError(f"agent never served metrics: {self.log.read_text()}")
 
+    def probed_ahead(self, timeout: float = 120) -> "AgentProc":
+        """Wait for the agent's attach to its own environment's libtorch (done
+        once at start, off its recording loop): from then on a job's every
+        collective is seen, however soon it makes it."""
+        _wait(lambda: re.search(r"attached \d+ libtorch probes", self.log.read_text()), timeout,
+              "libtorch probed ahead", step=0.2)
+        return self
+
     def get(self, path: str, token: str | None = None) -> bytes:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}")
         if token or self.token:
@@ -137,7 +145,7 @@ def _kept(agent: AgentProc, job_id: str) -> list[Path]:
 
 def test_agent_finds_records_and_keeps_a_killed_job(tmp_path):
     agent = AgentProc(tmp_path, "nodeA", "--match", "agent1", "--keep-all", "--ring-minutes", "5",
-                      "--parquet", str(tmp_path / "tree")).start()
+                      "--parquet", str(tmp_path / "tree")).start().probed_ahead()
     jobs = []
     try:
         until = [tmp_path / "a.go", tmp_path / "b.go"]
@@ -288,7 +296,7 @@ def test_fleet_sql_over_two_agents_parquet(tmp_path):
     jobs = []
     try:
         for a in agents:
-            a.start()
+            a.start().probed_ahead()
         steps = {0: 20, 1: 30}
         jobs = [_job(tmp_path, f"fleet{i}", "--steps", str(steps[i])) for i in (0, 1)]
         for j in jobs:
@@ -386,7 +394,7 @@ def test_a_hang_seen_from_outside_is_kept_and_node_health_is_in_the_metrics(tmp_
 def test_ranks_a_scheduler_started_one_by_one_are_one_job(tmp_path):
     """As srun does: each rank started on its own (no launcher), with RANK,
     WORLD_SIZE, MASTER_ADDR and the scheduler's job id in its environment."""
-    agent = AgentProc(tmp_path, "nodeS", "--match", "agent5", "--keep-all").start()
+    agent = AgentProc(tmp_path, "nodeS", "--match", "agent5", "--keep-all").start().probed_ahead()
     port = _free_port()
     ranks = []
     try:

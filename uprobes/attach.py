@@ -16,7 +16,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
-from .preattach import candidates
+from .preattach import PREATTACH, candidates
 from .procfs import in_root, mapped_files
 from .python_frames import LIBPYTHON, interpreter
 from .spec import LibrarySpec, ResolvedProbe, resolve
@@ -87,12 +87,13 @@ class LibraryProber:
         self.warnings += new_warnings
         return new_warnings
 
-    def preattach(self, argv: list[str], env: dict) -> list[str]:
+    def preattach(self, argv: list[str], env: dict, libraries=None) -> list[str]:
         """Before the command runs: probe the libraries it may load at first
-        use and call at once (preattach.py), so their first calls are seen."""
+        use and call at once (preattach.py; or `libraries`), so their first
+        calls are seen."""
         new_warnings = []
         patterns = {lib.library: lib.file_pattern for lib in self.specs}
-        for path, name in candidates(argv, env, patterns).items():
+        for path, name in candidates(argv, env, patterns, libraries or PREATTACH).items():
             key = _file_key(path)
             if key is None or key in self.attached_files:
                 continue

@@ -57,10 +57,10 @@ def site_dirs(python: str, env: dict) -> list[str]:
         return []
 
 
-def candidates(argv: list[str], env: dict, patterns: dict) -> dict[str, str]:
-    """File -> library name, for the files the command may load for the
-    libraries in PREATTACH (`patterns`: name -> the spec's regex over file
-    names), one path per file identity."""
+def candidates(argv: list[str], env: dict, patterns: dict, libraries=PREATTACH) -> dict[str, str]:
+    """File -> library name, for the files the command may load for
+    `libraries` (`patterns`: name -> the spec's regex over file names), one
+    path per file identity."""
     dirs = []
     python = interpreter(argv, env)
     if python:
@@ -77,7 +77,7 @@ def candidates(argv: list[str], env: dict, patterns: dict) -> dict[str, str]:
         for name in names:
             path = os.path.join(d, name)
             for lib, pattern in patterns.items():
-                if lib in PREATTACH and pattern.search(name) and os.path.isfile(path):
+                if lib in libraries and pattern.search(name) and os.path.isfile(path):
                     st = os.stat(path)
                     if (st.st_dev, st.st_ino) not in seen:
                         seen.add((st.st_dev, st.st_ino))

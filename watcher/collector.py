@@ -277,12 +277,13 @@ class Collector:
             pids, self._loaded_in = self._loaded_in, set()
         self._scan(sorted(pids))
 
-    def preattach_libraries(self, argv: list[str], env: dict) -> None:
+    def preattach_libraries(self, argv: list[str], env: dict, libraries=None) -> None:
         """Before a recorded command starts: probe the libraries it would call
-        as soon as it loads them (uprobes/preattach.py)."""
+        as soon as it loads them (uprobes/preattach.py; or `libraries`)."""
         prober = getattr(self.recorder, "prober", None)
         if prober is not None:
-            self._report(prober, lambda: prober.preattach(argv, env))
+            with self._attach_lock:
+                self._report(prober, lambda: prober.preattach(argv, env, libraries))
 
     def scan_pid(self, pid: int) -> None:
         """Probe what `pid` has mapped now (a load held until it is probed)."""

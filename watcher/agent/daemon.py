@@ -36,6 +36,7 @@ from ..errors import UsageError
 from ..privileges import explain_compile_failure, require_bcc, require_bpf_privileges
 from ..session import _descendants, _ppid
 from ..store import RecordingWriter
+from ..uprobes.preattach import PREATTACH
 from .discovery import LAUNCHER_MODULES, Discovery, Found
 from .keep import export_parquet, keep_job, safe_name
 from .metrics import WINDOW_NS, MetricsServer, SnapshotCollector, collective_counts, is_loopback, rank_numbers, \
@@ -47,6 +48,9 @@ from .metrics import WINDOW_NS, MetricsServer, SnapshotCollector, collective_cou
 # and exported (watcher_agent_dropped_events_total) as always.
 AGENT_RING_PAGES = {ring: max(64, pages // 4) for ring, pages in DEFAULT_RING_PAGES.items()}
 HEALTH_EVERY_S = 10.0
+# Probed ahead, from the agent's own environment: libtorch (a job's first
+# collectives come within seconds of its load) and what preattach.py names.
+AHEAD = PREATTACH | {"libtorch"}
 BUSY_POLL_S, IDLE_POLL_S = 0.1, 0.5  # the ledger and NVML are read this often
 CRASH_SETTLE_S = 3.0   # after a rank dies, how long the rest of the job gets to go down before the keep
 
@@ -138,11 +142,26 @@ class AgentCollector(Collector):
             if pids is None:
                 return
             try:
-                self._scan(pids)
+                if pids == "ahead":
+                    self._ahead()
+                else:
+                    self._scan(pids)
             except Exception as e:  # a library we cannot probe must not stop the agent
                 if self.on_warning:
                     self.on_warning(f"warning: cannot probe libraries of {pids}: {e}")
             shed_compiler_memory()  # resolving a library's symbols leaves heap behind
+
+    def attach_ahead(self) -> None:
+        """Probe the libraries of the agent's own Python environment before
+        any job needs them (uprobes live on files: every process that maps
+        them is covered).  A job from that environment then has its first
+        collectives seen even when it calls them within the seconds an attach
+        to libtorch takes; one from another environment is probed when it
+        loads its libraries, as before."""
+        self._scan_q.put("ahead")
+
+    def _ahead(self) -> None:
+        self.preattach_libraries([sys.executable], dict(os.environ), AHEAD)
 
     def scan_later(self, pids: list[int]) -> None:
         self._scan_q.put(list(pids))
@@ -189,6 +208,7 @@ class Agent:
         self.collector = AgentCollector(self.recorder, writer, ring_window_ns=int(c.ring_minutes * 60e9),
                                    max_size=c.ring_max_bytes, on_flush=lambda _c: self._after_flush())
         self.collector.on_warning = self._say
+        self.collector.attach_ahead()
         self.collector.write_start_meta(target_pid=None, cmdline="", mode="agent", probes=c.probes)
         self._after_flush()  # numbers from the first scrape on, the node's health among them
         try:
