@@ -36,6 +36,7 @@ class ProcessRow:
     world_size: int | None = None
     threads: list[int] = field(default_factory=list)
     execd: bool = False  # ran exec since the fork (else it is a copy of its parent)
+    stood_for: tuple | None = None  # a supervisor's: the (rank, local rank, world) it split from
 
 
 @dataclass
@@ -265,7 +266,13 @@ class ProcessModel:
         if p.name == SUPERVISOR:
             if p.rank is None:
                 return False
+            p.stood_for = (p.rank, p.local_rank, p.world_size)
             p.rank = p.local_rank = p.world_size = None
+            # The child it split off is the rank, live or not: a short job's
+            # rank may be gone before the supervisor's new name was read.
+            for c in self.processes:
+                if c.parent_upid == p.upid and not c.execd and c.rank is None and not c.name.startswith("w-"):
+                    c.rank, c.local_rank, c.world_size = p.stood_for
             return True
         if p.rank is not None or p.end_ts is not None or p.start_ts is None or p.name.startswith("w-"):
             return False
