@@ -156,12 +156,14 @@ class TwoNodes:
                 pass
         return killed
 
-    def watched(self, tmp: Path, faults, policy: str = "recover", detect: dict | None = None) -> list[list[str]]:
+    def watched(self, tmp: Path, faults, policy: str = "recover", detect: dict | None = None,
+                rescue: bool = True) -> list[list[str]]:
         """`watcher run` on each node (the library API: only it injects drill faults)."""
         code = ("import json, sys; from pathlib import Path; from watcher.run import RunConfig, run; "
                 "a = json.loads(sys.argv[1]); "
                 "r = run(RunConfig(cmd=a['cmd'], out=Path(a['out']), policy=a['policy'], snapshot_interval=4, "
-                "copy_interval=0, inject=a['faults'], detect=a['detect'], quiet=True)); sys.exit(r.exit_code)")
+                "copy_interval=0, inject=a['faults'], detect=a['detect'], rescue=a['rescue'], quiet=True)); "
+                "sys.exit(r.exit_code)")
         return [[sys.executable, "-c", code, json.dumps({"cmd": self.job(i, tmp / f"w{i}.pt"), "out": str(tmp / f"node{i}"),
-                                                          "faults": faults, "policy": policy,
+                                                          "faults": faults, "policy": policy, "rescue": rescue,
                                                           "detect": detect or {}})] for i in (0, 1)]

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
+import signal
 import sys
+import threading
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -144,10 +147,11 @@ def test_a_rank_stalled_on_node_1_is_a_hang_found_in_seconds_and_recovered(nodes
 def test_a_rank_crashed_on_node_1_is_replayed_across_nodes_after_the_job(nodes, tmp_path, scenario, classification):
     # Rank 3 dies of SIGSEGV at the start of step 12's optimizer step (after
     # its gradients were reduced with node 0's ranks); `segv` dies again in
-    # any replay, `segv_once` only in the live run.  The job is over, and so is
-    # its store: the launchers link to replay every rank's snapshot at once.
+    # any replay, `segv_once` only in the live run.  With --no-rescue the death
+    # ends the job, and so does its store: the launchers link to replay every
+    # rank's snapshot at once.
     fault = {"scenario": scenario, "rank": 3, "step": 12}
-    done = nodes.run_both(nodes.watched(tmp_path, fault))
+    done = nodes.run_both(nodes.watched(tmp_path, fault, rescue=False))
     assert [p.returncode for p in done] == [1, 1]
     node0, node1 = _incidents(tmp_path)
     assert node0 == node1, (node0, node1)  # one incident, one verdict, by global ranks, on both nodes
@@ -163,12 +167,77 @@ def test_a_rank_crashed_on_node_1_is_replayed_across_nodes_after_the_job(nodes, 
         # node 0's ranks' inputs relayed over the link, matched the record.
         assert rep["crashed_again"] is False and rep["first_divergence"] is None
         assert rep["replayed_steps"] == [9, 10, 11, 12]
-    # No rank was replaced (not built across nodes), and that was said: once
-    # per node at start, in each run directory for every rank, and in the report.
-    off = "a rank that dies is not replaced on a job that spans nodes"
-    assert [p.stderr.count(off) for p in done] == [1, 1], [p.stderr[-3000:] for p in done]
+
+
+def _kill_when(run: Path, rank: int, step: int, killed: list, timeout: float = 300) -> None:
+    """SIGKILL rank `rank`'s process from outside once it has logged `step` (a thread of the test)."""
+    log, deadline = run / "runtime" / f"rank{rank}.steps.jsonl", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            lines = log.read_text().splitlines()
+            done = [json.loads(x)["step"] for x in lines if x.endswith("}") and '"seq"' not in x]
+        except (OSError, ValueError):
+            done = []
+        if done and max(done) >= step:
+            pid = json.loads((run / "runtime" / f"rank{rank}.process.json").read_text())["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.01)
+
+
+@needs_bpf
+def test_a_rank_killed_on_node_1_is_replaced_across_nodes_and_the_job_ends_as_if_it_never_died(
+        nodes, fault_free, tmp_path):
+    """kill -9 of rank 3 (node 1) from outside at step 10: every rank of both
+    nodes resumes from its snapshot under the same two torchruns, and the job
+    ends bit-identical to the fault-free one, with no checkpoint."""
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_when, args=(tmp_path / "node1", 3, 10, killed), daemon=True)
+    killer.start()
+    done = nodes.run_both(nodes.watched(tmp_path, None))
+    killer.join(1)
+    assert len(killed) == 1, "rank 3 never reached step 10"
+    assert [p.returncode for p in done] == [0, 0], done[0].stderr[-3000:] + done[1].stderr[-3000:]
+    assert (tmp_path / "w0.pt.sha256").read_text() == fault_free
+    node0, node1 = _incidents(tmp_path)
+    assert node0 == node1, (node0, node1)
+    assert not (tmp_path / "node0" / "incidents" / "inc-0002.json").exists()
+    assert (node0["kind"], node0["detected_rank"], node0["detail"]["exit_signal"], node0["detail"]["pid"]) == \
+        ("crash", 3, signal.SIGKILL, killed[0])
+    assert (node0["classification"], node0["recovered"], node0["steps_lost"], node0["replay"]["reproduced"]) == \
+        ("transient", True, 0, False)
+    died, start = node0["detected_step"], node0["window"]["from_step"]
+    assert died > 10 and start % 4 == 0 and died - 8 <= start < died and node0["resumed_at_step"] == start + 1
+    # Every rank, on both nodes, is a new process: its step-`start` snapshot.
+    for node, ranks in ((0, (0, 1)), (1, (2, 3))):
+        for r in ranks:
+            p = json.loads((tmp_path / f"node{node}" / "runtime" / f"rank{r}.process.json").read_text())
+            assert p["rescue"] == node0["recovery"]["rescue"] and p["pid"] != killed[0]
+    assert "replacing this node's ranks from their step-" in done[0].stderr
+    assert "every rank of the job resumed from step" in done[1].stderr
+    # Nothing said protection was off.
+    assert not any("not replaced" in p.stderr for p in done)
     rows = watcher("sql", str(tmp_path / "node0" / "recording.duckdb"), str(tmp_path / "node1" / "recording.duckdb"),
-                   "SELECT DISTINCT rank, reason FROM protection ORDER BY rank", "--format", "json", check=True).stdout
-    assert [(r["rank"], off in r["reason"]) for r in json.loads(rows)] == [(r, True) for r in range(4)]
-    report = watcher("report", str(tmp_path / "node0"), str(tmp_path / "node1"), check=True).stdout
-    assert sum(line.startswith(f"protection off on ranks 0, 1, 2, 3: {off}") for line in report.splitlines()) == 1
+                   "SELECT count(*) AS n FROM protection", "--format", "json", check=True).stdout
+    assert json.loads(rows) == [{"n": 0}]
+
+
+@needs_bpf
+def test_a_native_crash_that_comes_back_after_a_rescue_across_nodes_is_persistent_and_replayed_after_the_job(
+        nodes, tmp_path):
+    """The null write on rank 3 at step 12, every time: rescued once across
+    nodes, it dies there again the same way, so the death is let go (no
+    second rescue, no rank left waiting) and replayed across nodes after the job."""
+    done = nodes.run_both(nodes.watched(tmp_path, {"scenario": "segv", "rank": 3, "step": 12}))
+    assert [p.returncode for p in done] == [1, 1], done[0].stderr[-3000:] + done[1].stderr[-3000:]
+    docs = [[json.loads(f.read_text()) for f in sorted((tmp_path / f"node{i}" / "incidents").glob("inc-*.json"))]
+            for i in (0, 1)]
+    assert docs[0] == docs[1] and len(docs[0]) == 2, docs
+    first, second = docs[0]
+    assert (first["kind"], first["detected_step"], first["classification"], first["replay"]["reproduced"]) == \
+        ("crash", 12, "persistent", True)
+    assert (second["kind"], second["detected_rank"], second["detected_step"], second["classification"]) == \
+        ("crash", 3, 12, "persistent")
+    assert (second["replay"]["crashed_again"], second["replay"]["replay_signal"]) == (True, "SIGSEGV")
+    assert "died again in step 12 the same way after its rescue: persistent" in done[1].stderr

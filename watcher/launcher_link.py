@@ -38,19 +38,33 @@ def multi_node(job: dict) -> bool:
     return int(job.get("nodes") or 1) > 1 and "master_addr" in job
 
 
+# One store per launcher process: node 0's hosts it, and the rescue's link
+# (made while the job runs, watcher/rescue.py) and the crash's (after it)
+# share it, as a port is hosted only once.
+_CLIENTS: dict[tuple[str, int], object] = {}
+
+
+def link_address(job: dict) -> tuple[str, int]:
+    """Where node 0's launcher hosts the launchers' store."""
+    return job["master_addr"], int(os.environ.get("WATCHER_LINK_PORT") or int(job["master_port"]) + 1)
+
+
 class LauncherLink:
     """This node's launcher, linked to the other nodes' under one prefix."""
 
     def __init__(self, job: dict, name: str, wait_s: float = LINK_WAIT_S):
         self.node, self.nodes = int(job["node"]), int(job["nodes"])
         self.wait_s = wait_s
-        port = int(os.environ.get("WATCHER_LINK_PORT") or int(job["master_port"]) + 1)
-        self.where = f"{job['master_addr']}:{port}"
-        try:
-            client = dist.TCPStore(job["master_addr"], port, is_master=self.node == 0,
-                                   timeout=timedelta(seconds=wait_s), wait_for_workers=False)
-        except Exception as e:  # node 0 never came (or its port is taken)
-            raise RecordingError(f"cannot link to the other nodes' launchers at {self.where}: {e}") from None
+        host, port = link_address(job)
+        self.where = f"{host}:{port}"
+        client = _CLIENTS.get((host, port))
+        if client is None:
+            try:
+                client = dist.TCPStore(host, port, is_master=self.node == 0,
+                                       timeout=timedelta(seconds=wait_s), wait_for_workers=False)
+            except Exception as e:  # node 0 never came (or its port is taken)
+                raise RecordingError(f"cannot link to the other nodes' launchers at {self.where}: {e}") from None
+            _CLIENTS[(host, port)] = client
         self.client = client
         self.store = dist.PrefixStore(f"watcher-after/{job.get('run_id', 'job')}/{name}", client)
 

@@ -31,7 +31,7 @@ class RankDeaths:
     def __init__(self, run_dir: RunDir, ctl: Control, rescue: bool = False):
         self.run_dir, self.ctl = run_dir, ctl
         # The rescue (on unless --no-rescue): deaths the ranks' supervisors report are answered here (rescue.py).
-        self.rescuer = Rescuer(run_dir, ctl) if rescue else None
+        self.rescuer = Rescuer(run_dir, ctl, job_store=self._job_store) if rescue else None
         self.known: dict[int, tuple[int, int]] = {}   # rank -> (pid, start ticks)
         self.gone: list[int] = []
         self.store = None
@@ -46,6 +46,8 @@ class RankDeaths:
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join(5)
+        if self.rescuer is not None:
+            self.rescuer.finish()
 
     def _loop(self) -> None:
         while not self.stopped.wait(EVERY_S):

@@ -7,8 +7,8 @@ for a word.  This side, in `watcher run` beside its watch over the ranks
 
 1. Not rescued (the supervisor ends as the rank did, and the job goes down
    as it would have): a death while the launcher tears the job down, one
-   while another incident is handled, a job on several nodes (not built
-   yet), no snapshot step every rank still holds, or a death that came back:
+   while another incident is handled, no snapshot step every rank still
+   holds, or a death that came back:
    the same rank dying the same way at the same step as the death last
    rescued (persistent; the crash incident after the job replays and
    diagnoses it as before).
@@ -25,6 +25,9 @@ for a word.  This side, in `watcher run` beside its watch over the ranks
 The incident (kind `crash`) is written when the rescue is made and judged
 once the resumed job passes the step the rank died in: transient, recovered,
 if it does; persistent if the rank dies there again the same way.
+
+On a job that spans nodes each node's `watcher run` does this for its own
+ranks, on one decision made by the dead rank's node (rescue_across.py).
 """
 
 from __future__ import annotations
@@ -40,17 +43,25 @@ import torch.distributed as dist
 
 from .incident import Incident, load_incident, save_incident
 from .launcher_link import multi_node
+from .rescue_across import AcrossNodes
 from .rundir import RunDir, read_json, read_json_or_none, write_json
 from .runtime.control import Control
+from .runtime.nodes import NodeLayout, NodeLink
 from .runtime.supervisor import wait_for
 
 SNAPSHOT_WAIT_S = 10.0   # for the survivors' snapshots to say they are orphaned
 RESUME_WAIT_S = 90.0     # for every rank to name its resumed process
+DEAD_ORPHAN_WAIT_S = 2.0  # for the dead rank's snapshots to see their parent gone
+LET_GO_KEY = "rescue/let_go"  # in the job's store: peers on other nodes stop waiting for a rescue (relink.py)
 
 
 class Rescuer:
-    def __init__(self, run_dir: RunDir, ctl: Control):
+    def __init__(self, run_dir: RunDir, ctl: Control, job_store=lambda: None):
         self.run_dir, self.ctl = run_dir, ctl
+        self.job_store = job_store        # the job's store under Watcher's prefix, on many nodes (rank_deaths.py)
+        self.job: dict | None = None
+        self.across: AcrossNodes | None = None  # the other nodes' launchers, on many nodes
+        self.nodelink: NodeLink | None = None   # incidents opened job-wide, on many nodes
         self.seen: set[str] = set()
         self.attempts: list[dict] = []   # every rescue made: rank, signal, exit code, step, incident
         self.pending: dict | None = None  # a rescue whose verdict waits for the job to pass the step
@@ -63,6 +74,13 @@ class Rescuer:
         processes changed: the caller learns them again)."""
         self._judge_pending()
         replaced = False
+        ax = self._across()
+        if ax is not None and ax.link is not None:
+            self._adopt_docs(ax)
+            for a, call in ax.unanswered():
+                replaced = self._answer(a, call, known) or replaced
+            if replaced:
+                return True  # `known` is stale: the caller learns the new processes first
         for path in self.run_dir.rescue_deaths():
             if path.name in self.seen:
                 continue
@@ -77,7 +95,8 @@ class Rescuer:
             try:
                 why, plan = self._why_not(death)
                 if why is None:
-                    replaced = self._rescue(death, known, plan) or replaced
+                    act = self._rescue_across if ax is not None else self._rescue
+                    replaced = act(death, known, plan) or replaced
                     continue
             except Exception as e:  # fail open: the death goes to the launcher as it would have
                 why = f"the rescue failed: {type(e).__name__}: {e}"
@@ -95,8 +114,6 @@ class Rescuer:
         if self.let_go is not None:
             return f"the job is going down ({self.let_go})", {}
         job = read_json_or_none(self.run_dir.job) or {}
-        if multi_node(job):
-            return "a rank of a job on several nodes is not replaced yet", {}
         plan = {"job": job, "failing": self._died_at(death)}
         rec = self.pending
         if rec is not None and rec["rank"] == death["rank"] and _same_death(rec, death) \
@@ -106,6 +123,11 @@ class Rescuer:
                     "persistent", plan)
         if self.ctl.incident_seq > self.ctl.verdict_seq:
             return "another incident is being handled", plan
+        if multi_node(job):
+            ax = self._across()
+            if ax is None or ax.link is None:
+                return f"the other nodes' launchers cannot be reached ({ax and ax.error or 'not linked yet'})", plan
+            return None, plan  # the step every rank holds is agreed across nodes (_rescue_across)
         plan["from_step"] = self._common_step(death["rank"], job)
         if plan["from_step"] is None:
             return "no step of which every rank still holds a snapshot", plan
@@ -135,7 +157,17 @@ class Rescuer:
         if self.let_go is None:
             self.let_go = f"rank {death['rank']}'s death was let go"
         write_json(self.run_dir.rescue_fate(death["rank"], death["pid"]), {"fate": "let_go", "reason": why})
+        self._tell_peers_let_go()
         print(f"watcher: rank {death['rank']} died ({_how(death)}); not replaced: {why}", file=sys.stderr, flush=True)
+
+    def _tell_peers_let_go(self) -> None:
+        """On many nodes, the other nodes' ranks waiting for a rescue (relink.py) stop waiting."""
+        try:
+            store = self.job_store() if self.across is not None else None
+            if store is not None:
+                store.set(LET_GO_KEY, "1")
+        except Exception:
+            pass
 
     def _rescue(self, death: dict, known: dict, plan: dict) -> bool:
         t0 = time.monotonic()
@@ -182,7 +214,7 @@ class Rescuer:
         rec["detect_to_resume_s"] = round(time.monotonic() - t0, 3)
         self.attempts.append(rec)
         self._write_incident(rec, ok)
-        self.ctl.verdict_seq = max(self.ctl.verdict_seq, seq)
+        self._set_verdict(seq)
         if not ok:
             why = f"rescue {attempt} failed: not every rank resumed from its step-{step} snapshot"
             self.let_go = why
@@ -194,6 +226,205 @@ class Rescuer:
         print(f"watcher: every rank resumed from step {step} in {rec['detect_to_resume_s']:.2f} s; the job goes on",
               file=sys.stderr, flush=True)
         return True
+
+    # -- across nodes (rescue_across.py) -------------------------------------------------------
+    def _across(self) -> AcrossNodes | None:
+        """The link to the other nodes' launchers, on a job that spans nodes
+        (known once its ranks wrote job.json); None on one node."""
+        if self.job is None:
+            self.job = read_json_or_none(self.run_dir.job)
+            if self.job is not None and multi_node(self.job):
+                self.across = AcrossNodes(self.job)
+        return self.across
+
+    def _rescue_across(self, death: dict, known: dict, plan: dict) -> bool:
+        """Node D's side: call the rescue, agree the step, decide, replace this
+        node's ranks, and see every node's replaced."""
+        ax, t0 = self.across, time.monotonic()
+        a = ax.new_call()
+        replaced = False
+        for b, call in ax.unanswered(below=a):  # earlier calls first: one of them may cover this death
+            replaced = self._answer(b, call, known) or replaced
+        ax.answered = max(ax.answered, a)
+        if replaced or self._fate_given(death):
+            ax.call(a, dict(death, withdrawn=True))
+            ax.decide(a, {"withdrawn": True})
+            return replaced
+        job, dead, failing = plan["job"], death["rank"], plan["failing"]
+        ax.call(a, {k: death.get(k) for k in ("rank", "pid", "signal", "exit_code")} | {"failing": failing})
+        ax.share_held(a, self._held_local(known, dead))
+        held = ax.gather_held(a, SNAPSHOT_WAIT_S)
+        step, why = _common_across(held, job["world"], ax.nodes)
+        seq = None
+        if why is None:
+            seq = self._open_incident({"kind": "crash", "rank": dead, "failing_step": failing, "halt_step": None,
+                                       "resolved": True, "detected_ts": time.monotonic_ns(),
+                                       "detected_unix": time.time()})
+            if seq is None:
+                why = "another incident is being handled"
+        if why is not None:
+            ax.decide(a, {"let_go": why})
+            self._let_go(death, why)
+            return False
+        self._clear_gone(job["world"])
+        host, port = ax.address
+        decision = {"attempt": a, "rank": dead, "node": ax.node, "failing": failing, "from_step": step,
+                    "how": _how(death), "prefix": f"watcher/rescue/{a}/", "store": [host, port]}
+        ax.decide(a, decision)
+        rec = {"attempt": a, "rank": dead, "pid": death["pid"], "signal": death.get("signal"),
+               "exit_code": death.get("exit_code"), "step": failing, "from_step": step,
+               "incident_id": f"inc-{seq:04d}", "t0": t0}
+        cause = read_json_or_none(self.run_dir.rescue_cause(dead))
+        if cause:
+            rec["cause"] = cause
+            os.unlink(self.run_dir.rescue_cause(dead))
+        print(f"watcher: rank {dead} died ({_how(death)}) in step {failing}; replacing every rank of the job's "
+              f"{ax.nodes} nodes from its step-{step} snapshot (rescue {a})", file=sys.stderr, flush=True)
+        ok = self._carry_out(decision, known, death)
+        ok = ax.all_done(a, RESUME_WAIT_S + SNAPSHOT_WAIT_S) and ok
+        rec["detect_to_resume_s"] = round(time.monotonic() - t0, 3)
+        self.attempts.append(rec)
+        self._write_incident(rec, ok)
+        self._set_verdict(seq)
+        if not ok:
+            why = f"rescue {a} failed: not every rank of the job resumed from its step-{step} snapshot"
+            self.let_go = why
+            write_json(self.run_dir.rescue_fate(dead, death["pid"]), {"fate": "let_go", "reason": why})
+            self._tell_peers_let_go()
+            print(f"watcher: {why}", file=sys.stderr, flush=True)
+            return False
+        self.pending = rec
+        print(f"watcher: every rank of the job resumed from step {step} in {rec['detect_to_resume_s']:.2f} s; the "
+              "job goes on", file=sys.stderr, flush=True)
+        return True
+
+    def _answer(self, a: int, call: dict | None, known: dict) -> bool:
+        """Another node's call: say which snapshots this node's ranks hold,
+        and replace them as decided.  True when they were replaced."""
+        ax = self.across
+        if call is None or call.get("withdrawn"):
+            return False
+        ax.share_held(a, None if self.let_go is not None else self._held_local(known, None))
+        d = ax.decision(a, SNAPSHOT_WAIT_S + 15)
+        if d is None or d.get("withdrawn") or "let_go" in d:
+            if d is None or "let_go" in d:
+                self.let_go = f"rank {call['rank']}'s death on node {call['node']} was let go"
+            return False
+        print(f"watcher: rank {d['rank']} died on node {d['node']} ({d['how']}) in step {d['failing']}; replacing "
+              f"this node's ranks from their step-{d['from_step']} snapshots (rescue {a})", file=sys.stderr, flush=True)
+        ok = self._carry_out(d, known, None)
+        ax.done(a, ok)
+        if not ok:
+            self.let_go = f"rescue {a} failed on this node"
+            print(f"watcher: rescue {a} failed: not every rank of this node resumed", file=sys.stderr, flush=True)
+        return ok
+
+    def _carry_out(self, d: dict, known: dict, death: dict | None) -> bool:
+        """Replace this node's ranks by their step-S snapshots, as decided."""
+        step, a = d["from_step"], d["attempt"]
+        local = [int(r) for r in self.job.get("local_ranks") or known]
+        survivors = {r: pid for r, (pid, _) in known.items() if death is None or r != death["rank"]}
+        if death is not None:
+            write_json(self.run_dir.rescue_fate(death["rank"], death["pid"]), {"fate": "replace", "attempt": a})
+        for r, pid in survivors.items():
+            write_json(self.run_dir.rescue_fate(r, pid), {"fate": "replace", "attempt": a})
+        for pid in survivors.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        orphans = [self.run_dir.rescue_orphan(r, step) for r in local]
+        if not wait_for(lambda: all(p.exists() for p in orphans), SNAPSHOT_WAIT_S):
+            return False
+        # Nobody is gone in the resumed job: this node's view of the other
+        # nodes' ranks forgets the deaths it adopted (the job's store forgot
+        # them too, _clear_gone).
+        for r in range(int(self.job["world"])):
+            if self.ctl.gone(r):
+                self.ctl.arrive(r, 0, step)
+        for r in local:
+            write_json(self.run_dir.crash_order(r, step), {"op": "resume", "attempt": a, "prefix": d["prefix"],
+                                                          "store": d["store"]})
+        old = {r: pid for r, (pid, _) in known.items()}
+        return bool(wait_for(lambda: all(_named_pid(self.run_dir, r) not in (None, old.get(r)) for r in local),
+                             RESUME_WAIT_S))
+
+    def _held_local(self, known: dict, dead: int | None) -> dict:
+        """{rank: snapshot steps} of this node's ranks: the dead rank's orphans, the others' last snapshots."""
+        out = {}
+        for r in [int(r) for r in self.job.get("local_ranks") or known]:
+            if r == dead:
+                mine = wait_for(lambda: sorted(int(p.name.rsplit("step", 1)[1])
+                                               for p in self.run_dir.rescue.glob(f"orphan.rank{r}.step*")),
+                                DEAD_ORPHAN_WAIT_S) or []
+            else:
+                mine = _last_snapshots(self.run_dir.steps_log(r))
+            out[str(r)] = mine
+        return out
+
+    def _clear_gone(self, world: int) -> None:
+        """The job's store forgets the ranks marked gone: every one resumes."""
+        store = self.job_store()
+        if store is None:
+            return
+        for r in range(world):
+            try:
+                store.delete_key(f"gone/{r}")
+            except Exception:
+                pass
+        try:
+            store.delete_key(LET_GO_KEY)
+        except Exception:
+            pass
+
+    def _open_incident(self, info: dict) -> int | None:
+        """Job-wide on many nodes (the job's store), else in the node's control block."""
+        if self.across is None:
+            return self.ctl.open_incident(info)
+        if self.nodelink is None:
+            store = self.job_store()
+            if store is None:
+                return None
+            j = self.job
+            lay = NodeLayout(rank=-1, world=int(j["world"]), local_rank=-1, local_world=len(j["local_ranks"]),
+                             node=int(j["node"]), nodes=int(j["nodes"]), master_addr=j["master_addr"],
+                             master_port=int(j["master_port"]), run_id=j.get("run_id", "job"))
+            self.nodelink = NodeLink(self.ctl, lay, store=store)
+        return self.nodelink.open_incident(info)
+
+    def _set_verdict(self, seq: int) -> None:
+        v = max(self.ctl.verdict_seq, seq)
+        self.ctl.verdict_seq = v
+        if self.nodelink is not None:
+            try:
+                self.nodelink.set_word("verdict_seq", v)
+            except Exception:
+                pass
+
+    def _save(self, doc: Incident) -> None:
+        """The incident in this run directory, and on many nodes in every node's."""
+        save_incident(self.run_dir, doc)
+        if self.across is not None and self.across.link is not None:
+            try:
+                self.across.share_doc(doc.to_dict())
+            except Exception:
+                pass
+
+    def _adopt_docs(self, ax: AcrossNodes) -> None:
+        for d in ax.new_docs():
+            save_incident(self.run_dir, Incident.from_dict(d))
+
+    def finish(self) -> None:
+        """At the job's end: the last documents other nodes shared, then the link's thread goes."""
+        ax = self.across
+        if ax is None:
+            return
+        if ax.link is not None:
+            try:
+                self._adopt_docs(ax)
+            except Exception:
+                pass
+        ax.stop()
 
     def _store(self) -> tuple[str, int]:
         """Where the resumed ranks meet: a store this process hosts for the
@@ -218,7 +449,7 @@ class Rescuer:
                              "from_step": rec["from_step"], "detect_to_resume_s": rec["detect_to_resume_s"],
                              "rescue": rec["attempt"]},
                    recovered=False)
-        save_incident(self.run_dir, doc)
+        self._save(doc)
 
     # -- judging -------------------------------------------------------------------------------
     def _judge_pending(self) -> None:
@@ -246,7 +477,7 @@ class Rescuer:
         else:
             doc.update(classification="transient", track="A", transient_cause="unknown", recovered=True,
                        resumed_at_step=rec["from_step"] + 1, steps_lost=0)
-        save_incident(self.run_dir, doc)
+        self._save(doc)
         if rec.get("cause") and not reproduced:
             self._hang_recovered(rec)
         print(f"watcher: {rec['incident_id']}: rank {rec['rank']}'s death in step {rec['step']} "
@@ -263,7 +494,7 @@ class Rescuer:
         hang.update(recovered=True, resumed_at_step=rec["from_step"] + 1, steps_lost=0,
                     recovery=dict(hang.recovery or {}, replaced_by=rec["incident_id"],
                                   detect_to_resume_s=rec["detect_to_resume_s"]))
-        save_incident(self.run_dir, hang)
+        self._save(hang)
 
 
 def _last_snapshots(log, keep: int = 2, tail: int = 1 << 20) -> list[int]:
@@ -288,6 +519,20 @@ def _last_snapshots(log, keep: int = 2, tail: int = 1 << 20) -> list[int]:
         if len(found) == keep:
             break
     return found
+
+
+def _common_across(held: dict[int, dict | None], world: int, nodes: int) -> tuple[int | None, str | None]:
+    """The newest step of which every rank of every node holds a snapshot, or why there is none."""
+    missing = [n for n in range(nodes) if held.get(n) is None]
+    if missing:
+        return None, f"node {missing[0]}'s launcher did not take part in the rescue"
+    by_rank = {int(r): set(steps) for h in held.values() for r, steps in h.items()}
+    if sorted(by_rank) != list(range(world)):
+        return None, "not every rank's snapshots were accounted for"
+    common = set.intersection(*by_rank.values())
+    if not common:
+        return None, "no step of which every rank still holds a snapshot"
+    return max(common), None
 
 
 def _same_death(a: dict, b: dict) -> bool:

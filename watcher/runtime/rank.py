@@ -286,10 +286,6 @@ class RankRuntime:
         self.rundir.shared = self.link.store
         self.local_ranks = layout.local_ranks()
         self.halt_margin = 2  # see nodes.py: the leader learns of an incident one step later
-        if os.environ.get(supervisor.ENV) == "1":  # asked for, and not built across nodes (supervisor.wanted)
-            self.refuse("a rank that dies is not replaced on a job that spans nodes (not built yet): its death ends "
-                        "the job, and is replayed across nodes after it; snapshots, replay and recovery of every "
-                        "other failure are on", whole=False, say=layout.leader)
 
     def refuse(self, reason: str, whole: bool = True, say: bool = True) -> None:
         """Protection is off for this rank (whole: snapshots and replay; else
@@ -851,6 +847,15 @@ class RankRuntime:
         host, port = order["store"]  # hosted by `watcher run` (rescue.py): the job's may have died with a rank
         store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=RESCUE_JOIN_S))
         self.store = store
+        if self.link is not None:
+            # The link's store connections were the dead process's (shared by
+            # the fork, perhaps mid-request), and its relay thread is not here.
+            _FORSAKEN.append(self.link)
+            self.link = NodeLink(self.ctl, self.link.layout)
+            if self.link.layout.leader:
+                self.link.start_relay()
+            self.ctl.link = self.link
+            self.rundir.shared = self.link.store
         for g in self.groups:
             before = transport.socket_inodes()
             new = dist.ProcessGroupGloo(dist.PrefixStore(f"{order['prefix']}{g.gid}/", store), g.inner.rank(),

@@ -121,9 +121,14 @@ def _wait_for_rescue(rt, ranks: list[int]) -> None:
     if the launcher lets the death go (the failure then reaches training)."""
     if not os.environ.get(supervisor.PID_ENV):
         return
+    # A peer on another node: its death report is in its node's run
+    # directory, not here; its node's launcher kills this process when it
+    # replaces the job's ranks, or says in the job's store that it will not.
     start = time.monotonic()
     deadline = start + supervisor.FATE_WAIT_S + supervisor.REPLACE_WAIT_S
     while time.monotonic() < deadline:
+        if rt.link is not None and _let_go_across(rt):
+            return
         for g in ranks:
             if not rt.ctl.gone(g):
                 continue
@@ -144,6 +149,15 @@ def _wait_for_rescue(rt, ranks: list[int]) -> None:
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # no word yet
         time.sleep(0.05)
+
+
+def _let_go_across(rt) -> bool:
+    """On many nodes a dead peer's launcher says so in the job's store when it
+    lets the death go (watcher/rescue.py): nothing will replace it."""
+    try:
+        return rt.link.store.check(["rescue/let_go"])
+    except Exception:
+        return True  # the job's store is gone: so is the job
 
 
 def _record(rt, group, meta: dict, error: BaseException, why: str | None, t0: int) -> None:

@@ -3,7 +3,7 @@ alive while Watcher replaces the rank under it.
 
 A launcher (torchrun, Lightning's, srun) watches the processes it started:
 the moment one dies it tears the whole job down.  Under `watcher run`
-(unless --no-rescue, or policy observe; on one node) each rank splits in two
+(unless --no-rescue, or policy observe) each rank splits in two
 as it starts importing torch (so this process never holds torch): the
 process the launcher knows becomes this supervisor, and its child goes on as
 the rank.  When the rank dies of itself (a signal, an error exit), the
@@ -53,9 +53,6 @@ def wanted() -> bool:
     not a launcher (a script that becomes rank 0 itself, as under Lightning)."""
     if os.environ.get(ENV) != "1" or os.environ.get(AS_ENV) == _identity():
         return False
-    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    if local and world and local != world:
-        return False  # a job on several nodes: its ranks are not replaced yet (rescue.py), so no split
     if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
         return True
     return AS_ENV not in os.environ and not _is_launcher()
@@ -63,7 +60,7 @@ def wanted() -> bool:
 
 def rescuable(rt) -> bool:
     """Can this rank be replaced if it dies: it is supervised, and the policy acts."""
-    return bool(os.environ.get(PID_ENV)) and rt.policy in ("recover", "apply") and len(rt.local_ranks) == rt.world
+    return bool(os.environ.get(PID_ENV)) and rt.policy in ("recover", "apply")
 
 
 def _identity() -> str:
