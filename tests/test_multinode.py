@@ -233,11 +233,12 @@ def test_a_native_crash_that_comes_back_after_a_rescue_across_nodes_is_persisten
     assert [p.returncode for p in done] == [1, 1], done[0].stderr[-3000:] + done[1].stderr[-3000:]
     docs = [[json.loads(f.read_text()) for f in sorted((tmp_path / f"node{i}" / "incidents").glob("inc-*.json"))]
             for i in (0, 1)]
-    assert docs[0] == docs[1] and len(docs[0]) == 2, docs
+    tails = done[0].stderr[-4000:] + done[1].stderr[-4000:]
+    assert docs[0] == docs[1] and len(docs[0]) == 2, (docs, tails)
     first, second = docs[0]
     assert (first["kind"], first["detected_step"], first["classification"], first["replay"]["reproduced"]) == \
         ("crash", 12, "persistent", True)
     assert (second["kind"], second["detected_rank"], second["detected_step"], second["classification"]) == \
-        ("crash", 3, 12, "persistent")
+        ("crash", 3, 12, "persistent"), (second["replay"], tails)
     assert (second["replay"]["crashed_again"], second["replay"]["replay_signal"]) == (True, "SIGSEGV")
     assert "died again in step 12 the same way after its rescue: persistent" in done[1].stderr

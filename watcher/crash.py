@@ -31,7 +31,7 @@ from .launcher_link import LauncherLink, multi_node
 from .replay.relay import ExchangeRelay, assigned_pulls
 from .replay.snapshot import replay_order
 from .replay.verdict import classify_crash, crash_replay_verdict
-from .rundir import STOP_EXIT_CODE, ReplayDir, RunDir, read_json, read_json_or_none, write_json
+from .rundir import STOP_EXIT_CODE, ReplayDir, RunDir, live_snapshots, read_json, read_json_or_none, write_json
 from .runtime import crashsite
 from .store import rank_processes
 
@@ -110,7 +110,7 @@ def _death(r: dict, steps: dict, run_dir: RunDir) -> dict:
             "end_ts": r["end_ts"], "died_wall": r["end_ts"] / 1e9 + time.time() - time.monotonic(),
             "how": (f"signal {signal.Signals(r['exit_signal']).name}" if r["exit_signal"]
                     else f"exit code {r['exit_code']}"),
-            "last_step": last, "snaps": sorted(s for s, fp in steps.items() if fp.get("snapshot")),
+            "last_step": last, "snaps": live_snapshots(run_dir.steps_log(r["rank"])),
             "site": crashsite.read(run_dir.crash_site(r["rank"])) if r["exit_signal"] else None}
 
 
@@ -129,7 +129,7 @@ def _no_replay(reason: str) -> dict:
 def _across_nodes(run_dir: RunDir, job: dict, world: int, local: list[int], death: dict | None,
                   steps: dict) -> Incident | None:
     mine = {"crash": death and dict(death, node=job["node"]), "next_id": run_dir.next_incident_id(),
-            "snaps": {str(r): sorted(s for s, fp in st.items() if fp.get("snapshot")) for r, st in steps.items()}}
+            "snaps": {str(r): live_snapshots(run_dir.steps_log(r)) for r in steps}}
     try:
         link = LauncherLink(job, "crash")
     except RecordingError as e:

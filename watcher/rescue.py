@@ -124,6 +124,10 @@ class Rescuer:
         if self.ctl.incident_seq > self.ctl.verdict_seq:
             return "another incident is being handled", plan
         if multi_node(job):
+            elsewhere = self._let_go_elsewhere()
+            if elsewhere:
+                self.let_go = elsewhere
+                return f"the job is going down ({elsewhere})", plan
             ax = self._across()
             if ax is None or ax.link is None:
                 return f"the other nodes' launchers cannot be reached ({ax and ax.error or 'not linked yet'})", plan
@@ -157,17 +161,28 @@ class Rescuer:
         if self.let_go is None:
             self.let_go = f"rank {death['rank']}'s death was let go"
         write_json(self.run_dir.rescue_fate(death["rank"], death["pid"]), {"fate": "let_go", "reason": why})
-        self._tell_peers_let_go()
+        self._tell_peers_let_go(f"rank {death['rank']}'s death was let go")
         print(f"watcher: rank {death['rank']} died ({_how(death)}); not replaced: {why}", file=sys.stderr, flush=True)
 
-    def _tell_peers_let_go(self) -> None:
-        """On many nodes, the other nodes' ranks waiting for a rescue (relink.py) stop waiting."""
+    def _tell_peers_let_go(self, what: str) -> None:
+        """On many nodes, the other nodes' ranks waiting for a rescue
+        (relink.py) stop waiting, and their launchers replace no rank after it."""
         try:
             store = self.job_store() if self.across is not None else None
-            if store is not None:
-                store.set(LET_GO_KEY, "1")
+            if store is not None and not store.check([LET_GO_KEY]):
+                store.set(LET_GO_KEY, f"{what} on node {self.job['node']}")
         except Exception:
             pass
+
+    def _let_go_elsewhere(self) -> str | None:
+        """Another node's launcher let a death go: the job is going down."""
+        try:
+            store = self.job_store()
+            if store is not None and store.check([LET_GO_KEY]):
+                return store.get(LET_GO_KEY).decode()
+        except Exception:
+            pass
+        return None
 
     def _rescue(self, death: dict, known: dict, plan: dict) -> bool:
         t0 = time.monotonic()
@@ -269,7 +284,8 @@ class Rescuer:
         self._clear_gone(job["world"])
         host, port = ax.address
         decision = {"attempt": a, "rank": dead, "node": ax.node, "failing": failing, "from_step": step,
-                    "how": _how(death), "prefix": f"watcher/rescue/{a}/", "store": [host, port]}
+                    "how": _how(death), "prefix": f"watcher/rescue/{a}/", "store": [host, port],
+                    "seq": seq, "incident": read_json_or_none(self.ctl.incident_path(seq))}
         ax.decide(a, decision)
         rec = {"attempt": a, "rank": dead, "pid": death["pid"], "signal": death.get("signal"),
                "exit_code": death.get("exit_code"), "step": failing, "from_step": step,
@@ -290,7 +306,7 @@ class Rescuer:
             why = f"rescue {a} failed: not every rank of the job resumed from its step-{step} snapshot"
             self.let_go = why
             write_json(self.run_dir.rescue_fate(dead, death["pid"]), {"fate": "let_go", "reason": why})
-            self._tell_peers_let_go()
+            self._tell_peers_let_go(f"rescue {a} failed")
             print(f"watcher: {why}", file=sys.stderr, flush=True)
             return False
         self.pending = rec
@@ -342,6 +358,12 @@ class Rescuer:
         for r in range(int(self.job["world"])):
             if self.ctl.gone(r):
                 self.ctl.arrive(r, 0, step)
+        # The resumed ranks start with the rescue's incident known (their
+        # node's relay, which would have brought it, died with the leader):
+        # else they would take it for a new one and skip their first snapshot.
+        if d.get("incident") and self.ctl.incident_seq < d["seq"]:
+            write_json(self.ctl.incident_path(d["seq"]), d["incident"])
+            self.ctl.mirror(incident=d["seq"])
         for r in local:
             write_json(self.run_dir.crash_order(r, step), {"op": "resume", "attempt": a, "prefix": d["prefix"],
                                                           "store": d["store"]})

@@ -429,6 +429,31 @@ class RunDir:
         return _read_jsonl(self.steps_log(rank), lambda c: (c["group"], c["seq"]), since, lambda rec: "seq" in rec)
 
 
+def live_snapshots(steps_log: Path) -> list[int]:
+    """The snapshot steps of a rank's present timeline: those logged since the
+    last rescue resumed it (a step line marked "resumed"), whose older
+    snapshots went with the processes that held them."""
+    found: list[int] = []
+    try:
+        with open(steps_log, "rb") as f:
+            for line in f:
+                if b'"snapshot": true' not in line and b'"resumed"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if "seq" in rec:
+                    continue
+                if "resumed" in rec:
+                    found = []
+                if rec.get("snapshot"):
+                    found.append(rec["step"])
+    except OSError:
+        return []
+    return sorted(set(found))
+
+
 def read_steps(run_dir: Path, rank: int, since: int | None = None) -> dict[int, dict]:
     return RunDir(run_dir).read_steps(rank, since)
 

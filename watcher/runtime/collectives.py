@@ -94,6 +94,38 @@ def _name(x) -> str:
     return name
 
 
+class HandedWork(dist.Work):
+    """A watched collective's work as training gets it, completed by Watcher
+    once the outputs are recorded (or the collective was retried).  A failure
+    must reach training as the failure it is: c10d's wrapper of a future
+    neither raises it from wait() (a plain all_reduce would go on with
+    unreduced tensors) nor fails in C++ (a Python future's exception is its
+    value there, and DDP's reducer reads tensors out of it and crashes).  So
+    `waited` completes the work's future through then(): a callback that
+    raises fails the future in C++, and wait() raises it here."""
+
+    def __init__(self, waited: torch.futures.Future):
+        super().__init__()
+        self.fut = waited.then(_unwrap)
+
+    def wait(self, timeout=None) -> bool:
+        self.fut.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.fut
+
+    def is_completed(self) -> bool:
+        return self.fut.done()
+
+    def result(self):
+        return self.fut.value()
+
+
+def _unwrap(fut):
+    return fut.value()  # raises the failure set on `waited`
+
+
 def done_work(result):
     fut = torch.futures.Future()
     fut.set_result(result)

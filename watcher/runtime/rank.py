@@ -129,6 +129,7 @@ class RankRuntime:
         self.last_end_ns = None
         self.last_coll_done_ns = 0    # a collective completing is progress too (stall.py)
         self.store = None             # the job's store after a rescue (resume_live); else c10d's
+        self.resumed_by = None        # the rescue that resumed this process, until its first step is logged
         self.resumed = False          # set in a snapshot taken over as the live rank, until it leaves step_end
         self.snapshot_next = False    # take a snapshot at the next step end, whatever the interval
         self.comm = _comm()
@@ -580,6 +581,8 @@ class RankRuntime:
             fp["prev_snapshot_private_mb"], self.snapshot_mb = self.snapshot_mb, None
         fp["watcher_us"] = (self.own_ns + self.fp_perf - self.hook_t0) // 1000
         self.own_ns = 0
+        if self.resumed_by is not None:  # the first step of a resumed timeline: older snapshots are gone
+            fp["resumed"], self.resumed_by = self.resumed_by, None
         line = json.dumps(fp)
         # The window's step record is the logged line and the step's
         # collectives (their lines and any outputs kept to be served): one
@@ -872,6 +875,7 @@ class RankRuntime:
         write_json(self.rundir.rank_process(self.rank), {"pid": os.getpid(), "start_ticks": me and me[1],
                                                           "rescue": order.get("attempt")})
         self.mode, self.disabled, self.resumed = "live", False, True
+        self.resumed_by = order.get("attempt") or 0
         self.watchdog = threading.Thread(target=self._watchdog, name="watcher-watchdog", daemon=True)
         self.watchdog.start()
         print(f"watcher: rank {self.rank} resumed from its step-{self.step} snapshot (pid {os.getpid()}, "
@@ -1122,7 +1126,7 @@ def _private_mb(pid: int) -> float | None:
 
 
 def _done_later(fut):
-    return torch._C._distributed_c10d._create_work_from_future(fut)
+    return collectives.HandedWork(fut)
 
 
 def _n_params(opt) -> int:
