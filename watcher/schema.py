@@ -299,7 +299,7 @@ TABLES: tuple[Table, ...] = (
         C("action", "VARCHAR", "denied (EPERM), swallowed (reported done, nothing happened), redirected to /dev/null, or not allowed (ENOSYS: a call not on the replay's allowlist)."),
     )),
     Table("protection", "Ranks of a `watcher run` job on which snapshots and replay were off, or a part of "
-          "protection was (a dead rank's replacement on a job that spans nodes), and why (functional collectives, "
+          "protection was, and why (functional collectives, "
           "an unreachable store, ...): said at once on the job's stderr, never silent.", (
         C("rank", "INTEGER", "Global rank."),
         C("reason", "VARCHAR", "Why, in words, and what still runs."),
