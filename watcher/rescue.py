@@ -186,8 +186,7 @@ class Rescuer:
 
     def _rescue(self, death: dict, known: dict, plan: dict) -> bool:
         t0 = time.monotonic()
-        world, dead = plan["job"]["world"], death["rank"]
-        step, failing = plan["from_step"], plan["failing"]
+        dead, step, failing = death["rank"], plan["from_step"], plan["failing"]
         seq = self.ctl.open_incident({"kind": "crash", "rank": dead, "failing_step": failing, "halt_step": None,
                                       "resolved": True, "detected_ts": time.monotonic_ns(),
                                       "detected_unix": time.time()})
@@ -195,6 +194,17 @@ class Rescuer:
             self._let_go(death, "another incident is being handled")
             return False
         attempt = len(self.attempts) + 1
+        rec = self._record(death, attempt, failing, step, seq, t0)
+        print(f"watcher: rank {dead} died ({_how(death)}) in step {failing}; replacing every rank from its "
+              f"step-{step} snapshot (rescue {attempt})", file=sys.stderr, flush=True)
+        host, port = self._store()
+        ok = self._carry_out({"attempt": attempt, "from_step": step, "prefix": f"watcher/rescue/{attempt}/",
+                              "store": [host, port]}, known, death, plan["job"])
+        return self._conclude(rec, seq, ok, known, death, "every rank")
+
+    def _record(self, death: dict, attempt: int, failing: int, step: int, seq: int, t0: float) -> dict:
+        """What a rescue keeps of itself: the death, where the ranks resume, its incident."""
+        dead = death["rank"]
         rec = {"attempt": attempt, "rank": dead, "pid": death["pid"], "signal": death.get("signal"),
                "exit_code": death.get("exit_code"), "step": failing, "from_step": step,
                "incident_id": f"inc-{seq:04d}", "t0": t0}
@@ -202,44 +212,26 @@ class Rescuer:
         if cause:  # Watcher ended this rank itself: a stuck rank whose hang replayed clean
             rec["cause"] = cause
             os.unlink(self.run_dir.rescue_cause(dead))
-        # Every rank's present process gets its fate first: the survivors'
-        # supervisors, seeing them stopped, wait for the replacement.
-        survivors = {r: pid for r, (pid, _) in known.items() if r != dead}
-        write_json(self.run_dir.rescue_fate(dead, death["pid"]), {"fate": "replace", "attempt": attempt})
-        for r, pid in survivors.items():
-            write_json(self.run_dir.rescue_fate(r, pid), {"fate": "replace", "attempt": attempt})
-        print(f"watcher: rank {dead} died ({_how(death)}) in step {failing}; replacing every rank from its "
-              f"step-{step} snapshot (rescue {attempt})", file=sys.stderr, flush=True)
-        for pid in survivors.values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        orphans = [self.run_dir.rescue_orphan(r, step) for r in range(world)]
-        ok = bool(wait_for(lambda: all(p.exists() for p in orphans), SNAPSHOT_WAIT_S))
-        if ok:
-            host, port = self._store()
-            for r in range(world):
-                write_json(self.run_dir.crash_order(r, step),
-                           {"op": "resume", "attempt": attempt, "prefix": f"watcher/rescue/{attempt}/",
-                            "store": [host, port]})
-            old = {r: pid for r, (pid, _) in known.items()}
-            ok = bool(wait_for(lambda: all(_named_pid(self.run_dir, r) not in (None, old.get(r))
-                                           for r in range(world)), RESUME_WAIT_S))
-        rec["detect_to_resume_s"] = round(time.monotonic() - t0, 3)
+        return rec
+
+    def _conclude(self, rec: dict, seq: int, ok: bool, known: dict, death: dict, who: str) -> bool:
+        """The rescue's incident and verdict word; on a failure every process
+        this node gave to it is let go (its supervisor stops waiting)."""
+        rec["detect_to_resume_s"] = round(time.monotonic() - rec["t0"], 3)
         self.attempts.append(rec)
         self._write_incident(rec, ok)
         self._set_verdict(seq)
         if not ok:
-            why = f"rescue {attempt} failed: not every rank resumed from its step-{step} snapshot"
+            why = f"rescue {rec['attempt']} failed: not {who} resumed from its step-{rec['from_step']} snapshot"
             self.let_go = why
-            for r, pid in dict(survivors, **{dead: death["pid"]}).items():
+            for r, (pid, _) in dict(known, **{death["rank"]: (death["pid"], None)}).items():
                 write_json(self.run_dir.rescue_fate(r, pid), {"fate": "let_go", "reason": why})
+            self._tell_peers_let_go(f"rescue {rec['attempt']} failed")
             print(f"watcher: {why}", file=sys.stderr, flush=True)
             return False
         self.pending = rec
-        print(f"watcher: every rank resumed from step {step} in {rec['detect_to_resume_s']:.2f} s; the job goes on",
-              file=sys.stderr, flush=True)
+        print(f"watcher: {who} resumed from step {rec['from_step']} in {rec['detect_to_resume_s']:.2f} s; the job "
+              "goes on", file=sys.stderr, flush=True)
         return True
 
     # -- across nodes (rescue_across.py) -------------------------------------------------------
@@ -287,32 +279,12 @@ class Rescuer:
                     "how": _how(death), "prefix": f"watcher/rescue/{a}/", "store": [host, port],
                     "seq": seq, "incident": read_json_or_none(self.ctl.incident_path(seq))}
         ax.decide(a, decision)
-        rec = {"attempt": a, "rank": dead, "pid": death["pid"], "signal": death.get("signal"),
-               "exit_code": death.get("exit_code"), "step": failing, "from_step": step,
-               "incident_id": f"inc-{seq:04d}", "t0": t0}
-        cause = read_json_or_none(self.run_dir.rescue_cause(dead))
-        if cause:
-            rec["cause"] = cause
-            os.unlink(self.run_dir.rescue_cause(dead))
+        rec = self._record(death, a, failing, step, seq, t0)
         print(f"watcher: rank {dead} died ({_how(death)}) in step {failing}; replacing every rank of the job's "
               f"{ax.nodes} nodes from its step-{step} snapshot (rescue {a})", file=sys.stderr, flush=True)
-        ok = self._carry_out(decision, known, death)
+        ok = self._carry_out(decision, known, death, job)
         ok = ax.all_done(a, RESUME_WAIT_S + SNAPSHOT_WAIT_S) and ok
-        rec["detect_to_resume_s"] = round(time.monotonic() - t0, 3)
-        self.attempts.append(rec)
-        self._write_incident(rec, ok)
-        self._set_verdict(seq)
-        if not ok:
-            why = f"rescue {a} failed: not every rank of the job resumed from its step-{step} snapshot"
-            self.let_go = why
-            write_json(self.run_dir.rescue_fate(dead, death["pid"]), {"fate": "let_go", "reason": why})
-            self._tell_peers_let_go(f"rescue {a} failed")
-            print(f"watcher: {why}", file=sys.stderr, flush=True)
-            return False
-        self.pending = rec
-        print(f"watcher: every rank of the job resumed from step {step} in {rec['detect_to_resume_s']:.2f} s; the "
-              "job goes on", file=sys.stderr, flush=True)
-        return True
+        return self._conclude(rec, seq, ok, known, death, "every rank of the job")
 
     def _answer(self, a: int, call: dict | None, known: dict) -> bool:
         """Another node's call: say which snapshots this node's ranks hold,
@@ -328,17 +300,20 @@ class Rescuer:
             return False
         print(f"watcher: rank {d['rank']} died on node {d['node']} ({d['how']}) in step {d['failing']}; replacing "
               f"this node's ranks from their step-{d['from_step']} snapshots (rescue {a})", file=sys.stderr, flush=True)
-        ok = self._carry_out(d, known, None)
+        ok = self._carry_out(d, known, None, self.job)
         ax.done(a, ok)
         if not ok:
             self.let_go = f"rescue {a} failed on this node"
             print(f"watcher: rescue {a} failed: not every rank of this node resumed", file=sys.stderr, flush=True)
         return ok
 
-    def _carry_out(self, d: dict, known: dict, death: dict | None) -> bool:
-        """Replace this node's ranks by their step-S snapshots, as decided."""
+    def _carry_out(self, d: dict, known: dict, death: dict | None, job: dict) -> bool:
+        """Replace this node's ranks by their step-S snapshots, as decided.
+        On one node every rank of the job is this node's (`job` is the one
+        read for this rescue: on one node its ranks may still be joining it)."""
         step, a = d["from_step"], d["attempt"]
-        local = [int(r) for r in self.job.get("local_ranks") or known]
+        world = int(job["world"])
+        local = [int(r) for r in job["local_ranks"]] if multi_node(job) else list(range(world))
         survivors = {r: pid for r, (pid, _) in known.items() if death is None or r != death["rank"]}
         if death is not None:
             write_json(self.run_dir.rescue_fate(death["rank"], death["pid"]), {"fate": "replace", "attempt": a})
@@ -355,7 +330,7 @@ class Rescuer:
         # Nobody is gone in the resumed job: this node's view of the other
         # nodes' ranks forgets the deaths it adopted (the job's store forgot
         # them too, _clear_gone).
-        for r in range(int(self.job["world"])):
+        for r in range(world):
             if self.ctl.gone(r):
                 self.ctl.arrive(r, 0, step)
         # The resumed ranks start with the rescue's incident known (their
