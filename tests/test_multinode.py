@@ -242,3 +242,38 @@ def test_a_native_crash_that_comes_back_after_a_rescue_across_nodes_is_persisten
         ("crash", 3, 12, "persistent"), (second["replay"], tails)
     assert (second["replay"]["crashed_again"], second["replay"]["replay_signal"]) == (True, "SIGSEGV")
     assert "died again in step 12 the same way after its rescue: persistent" in done[1].stderr
+
+
+@needs_bpf
+def test_a_rank_stuck_in_a_read_once_on_node_1_is_replaced_across_nodes(nodes, fault_free, tmp_path):
+    """Rank 3 (node 1) blocks at step 12 in a read that never returns, once:
+    the hang is found and replayed across nodes, the replay runs past it
+    (transient), so the stuck rank is ended and every rank of both nodes is
+    replaced from its snapshot; the job ends as the fault-free one did."""
+    done = nodes.run_both(nodes.watched(tmp_path, {"scenario": "hang_pipe_once", "rank": 3, "step": 12},
+                                        detect={"hang_seconds": 3.0}))
+    tails = done[0].stderr[-4000:] + done[1].stderr[-4000:]
+    assert [p.returncode for p in done] == [0, 0], tails
+    assert (tmp_path / "w0.pt.sha256").read_text() == fault_free
+    docs = [[json.loads(f.read_text()) for f in sorted((tmp_path / f"node{i}" / "incidents").glob("inc-*.json"))]
+            for i in (0, 1)]
+    # A stall is reported on the stuck rank's node only (as above); the hang
+    # and the crash that replaced the rank are the job's, the same on both.
+    stalls = [d for d in docs[1] if d["kind"] == "stall"]
+    assert all((d["detected_rank"], d["detected_step"]) == (3, 12) for d in stalls), docs
+    job = [[d for d in ds if d["kind"] != "stall"] for ds in docs]
+    assert job[0] == job[1], (docs, tails)
+    by_kind = {d["kind"]: d for d in job[0]}
+    assert sorted(by_kind) == ["crash", "hang"], ([d["kind"] for d in docs[0]], tails)
+    hang, crash = by_kind["hang"], by_kind["crash"]
+    stuck = hang["replay"]["stall"]
+    assert (stuck["rank"], stuck["step"], stuck["outside_collective"]) == (3, 12, True), hang["replay"]
+    assert (hang["classification"], hang["recovered"], hang["recovery"]["replaced_by"]) == \
+        ("transient", True, crash["incident_id"])
+    assert crash["detail"]["ended_by_watcher"]["incident_id"] == hang["incident_id"]
+    assert (crash["detected_rank"], crash["detected_step"], crash["classification"], crash["recovered"]) == \
+        (3, 12, "transient", True)
+    for node, ranks in ((0, (0, 1)), (1, (2, 3))):
+        for r in ranks:
+            p = json.loads((tmp_path / f"node{node}" / "runtime" / f"rank{r}.process.json").read_text())
+            assert p["rescue"] == crash["recovery"]["rescue"]
