@@ -223,16 +223,22 @@ class Rescuer:
         self._set_verdict(seq)
         if not ok:
             why = f"rescue {rec['attempt']} failed: not {who} resumed from its step-{rec['from_step']} snapshot"
-            self.let_go = why
-            for r, (pid, _) in dict(known, **{death["rank"]: (death["pid"], None)}).items():
-                write_json(self.run_dir.rescue_fate(r, pid), {"fate": "let_go", "reason": why})
-            self._tell_peers_let_go(f"rescue {rec['attempt']} failed")
-            print(f"watcher: {why}", file=sys.stderr, flush=True)
+            self._give_up(why, dict(known, **{death["rank"]: (death["pid"], None)}), f"rescue {rec['attempt']} failed")
             return False
         self.pending = rec
         print(f"watcher: {who} resumed from step {rec['from_step']} in {rec['detect_to_resume_s']:.2f} s; the job "
               "goes on", file=sys.stderr, flush=True)
         return True
+
+    def _give_up(self, why: str, given: dict, what: str) -> None:
+        """A rescue that failed here: every process this node gave to it is
+        let go at once (its supervisor stops waiting for a replacement and
+        ends as its rank did), and so is the job on the other nodes."""
+        self.let_go = why
+        for r, (pid, _) in given.items():
+            write_json(self.run_dir.rescue_fate(r, pid), {"fate": "let_go", "reason": why})
+        self._tell_peers_let_go(what)
+        print(f"watcher: {why}", file=sys.stderr, flush=True)
 
     # -- across nodes (rescue_across.py) -------------------------------------------------------
     def _across(self) -> AcrossNodes | None:
@@ -303,8 +309,8 @@ class Rescuer:
         ok = self._carry_out(d, known, None, self.job)
         ax.done(a, ok)
         if not ok:
-            self.let_go = f"rescue {a} failed on this node"
-            print(f"watcher: rescue {a} failed: not every rank of this node resumed", file=sys.stderr, flush=True)
+            self._give_up(f"rescue {a} failed: not every rank of this node resumed from its step-{d['from_step']} "
+                          "snapshot", known, f"rescue {a} failed")
         return ok
 
     def _carry_out(self, d: dict, known: dict, death: dict | None, job: dict) -> bool:
