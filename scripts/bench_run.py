@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_recorder import print_table, read_steps, window_median_ms  # noqa: E402
 
-from watcher.rundir import read_steps  # noqa: E402
+from watcher.rundir import read_steps as read_rank_steps  # noqa: E402
 from watcher.run import POLICIES  # noqa: E402
 
 WARMUP = 10
@@ -72,7 +72,7 @@ def watcher_run(out: Path, cmd: list[str], *extra: str) -> None:
 def runtime_steps(run_dir: Path) -> list[dict]:
     out = []
     for f in sorted((run_dir / "runtime").glob("rank*.steps.jsonl")):
-        out += read_steps(run_dir, int(f.name[4:].split(".")[0])).values()
+        out += read_rank_steps(run_dir, int(f.name[4:].split(".")[0])).values()
     return out
 
 
@@ -169,6 +169,10 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
         pids = rank_pids() + [proc.pid]  # the ranks and `watcher run` (the collector's threads)
         cpu, steal = [], []
         for i in range(pairs):
+            if proc.poll() is not None:  # the job ended: the windows from here would hold no steps
+                print(f"watcher run ended (exit {proc.returncode}) after {i} window pairs; its run directory: "
+                      f"{run_dir}", file=sys.stderr, flush=True)
+                break
             pair, ticks, st = {}, {}, {}
             for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
                 ctl.paused = pause if mode == "off" else 0
@@ -183,7 +187,8 @@ def bench_watcher_windows(tmp: Path, pairs: int, window_s: float, settle_s: floa
             steal.append(st)
         steps = read_steps(times)
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
         proc.wait(120)
     # CPU per step: the ranks' and the collector's CPU time (the probes'
     # in-kernel time included) over the steps that ended in the window.
@@ -304,13 +309,16 @@ def main() -> None:
                     "`just bench scale` compares world sizes and 2 nodes side by side)")
     ap.add_argument("--batch", type=int, help="sequences per rank per step in the windows' job (default the "
                     "workload's 8; more makes steps longer with the same model and collectives)")
+    ap.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (the jobs' run directories and step "
+                    "times), instead of a temporary directory")
     args = ap.parse_args()
     global RANKS
     RANKS = args.ranks
     if args.out is None:
         args.out = str(ROOT / "bench-results" / ("run-windows.json" if args.windows_only else "run.json"))
     with tempfile.TemporaryDirectory(prefix="watcher-bench-run-") as d:
-        tmp = Path(d)
+        tmp = Path(args.keep) if args.keep else Path(d)
+        tmp.mkdir(parents=True, exist_ok=True)
         win = bench_watcher_windows(tmp, args.window_pairs, args.window_s, toggle=args.toggle, policy=args.policy,
                                     batch=args.batch)
         if args.windows_only:

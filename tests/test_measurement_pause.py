@@ -88,3 +88,33 @@ def test_no_replay_crosses_a_pause(tmp_path):
     inc = json.loads((run / "incidents" / "inc-0001.json").read_text())
     assert inc["window"]["from_step"] is None
     assert inc["replay"]["reason"] == "no snapshot before the failing step is held by every rank"
+
+
+def test_no_audit_window_crosses_a_pause(tmp_path):
+    # The background audit at a budget that fits every window it can (back to
+    # back, 16 steps each) while rank 0 pauses Watcher for steps 40..59: a
+    # window holding a paused step has no record of it to compare with, so it
+    # is skipped, never judged (judged, it "departed" at the pause: an SDC
+    # finding in a healthy job, seen in `just bench run`'s on/off windows).
+    import json
+
+    from .conftest import watcher
+
+    run = tmp_path / "run"
+    p = watcher("run", "--out", str(run), "--snapshot-interval", "8", "--audit-budget", "1000", "--", sys.executable,
+                "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                str(ROOT / "tests" / "workloads" / "pause_midway.py"), "--steps", "120")
+    assert p.returncode == 0, p.stderr
+    assert list((run / "incidents").glob("inc-*.json")) == [], p.stderr
+    lines = []
+    for r in (0, 1):
+        lines += [json.loads(x) for x in (run / "runtime" / f"rank{r}.audits.jsonl").read_text().splitlines()]
+    judged = [e for e in lines if e["status"] != "skipped"]
+    assert all(e["status"] == "clean" for e in judged), judged
+    # None judged holds a step of the pause (either rank's edges: 39..60) ...
+    assert not [e for e in judged if e["from_step"] < 60 and e["to_step"] >= 39], judged
+    # ... and windows were judged on both sides of it, on both ranks.
+    for r in (0, 1):
+        assert [e for e in judged if e["rank"] == r and e["to_step"] < 39], lines
+        assert [e for e in judged if e["rank"] == r and e["from_step"] >= 60], lines
+    assert any("ran paused" in (e.get("error") or "") for e in lines), lines
