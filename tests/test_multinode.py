@@ -59,6 +59,12 @@ def _incidents(tmp: Path) -> list[dict]:
     return [json.loads((tmp / f"node{i}" / "incidents" / "inc-0001.json").read_text()) for i in (0, 1)]
 
 
+def _all_incidents(tmp: Path) -> list[list[dict]]:
+    """Every incident document of each node, in id order."""
+    return [[json.loads(f.read_text()) for f in sorted((tmp / f"node{i}" / "incidents").glob("inc-*.json"))]
+            for i in (0, 1)]
+
+
 @needs_bpf
 def test_a_transient_on_node_1_is_replayed_across_nodes_and_merged(nodes, fault_free, tmp_path):
     fault = {"scenario": "allreduce_corrupt", "rank": 3, "step": 12}
@@ -128,8 +134,7 @@ def test_a_rank_stalled_on_node_1_is_a_hang_found_in_seconds_and_recovered(nodes
     # Where the job's steps are slow (a loaded machine: median over 0.1 s), the
     # hang limit (20 x median) passes the stall limit (2 s) and rank 3 reports
     # its own stall first, on its node: right too, and it takes the first id.
-    docs = [[json.loads(f.read_text()) for f in sorted((tmp_path / f"node{i}" / "incidents").glob("inc-*.json"))]
-            for i in (0, 1)]
+    docs = _all_incidents(tmp_path)
     stalls = [d for d in docs[1] if d["kind"] == "stall"]
     assert all((d["detected_rank"], d["detected_step"]) == (3, 12) for d in stalls) and not \
         [d for d in docs[0] if d["kind"] == "stall"], docs
@@ -231,8 +236,7 @@ def test_a_native_crash_that_comes_back_after_a_rescue_across_nodes_is_persisten
     second rescue, no rank left waiting) and replayed across nodes after the job."""
     done = nodes.run_both(nodes.watched(tmp_path, {"scenario": "segv", "rank": 3, "step": 12}))
     assert [p.returncode for p in done] == [1, 1], done[0].stderr[-3000:] + done[1].stderr[-3000:]
-    docs = [[json.loads(f.read_text()) for f in sorted((tmp_path / f"node{i}" / "incidents").glob("inc-*.json"))]
-            for i in (0, 1)]
+    docs = _all_incidents(tmp_path)
     tails = done[0].stderr[-4000:] + done[1].stderr[-4000:]
     assert docs[0] == docs[1] and len(docs[0]) == 2, (docs, tails)
     first, second = docs[0]
@@ -255,8 +259,7 @@ def test_a_rank_stuck_in_a_read_once_on_node_1_is_replaced_across_nodes(nodes, f
     tails = done[0].stderr[-4000:] + done[1].stderr[-4000:]
     assert [p.returncode for p in done] == [0, 0], tails
     assert (tmp_path / "w0.pt.sha256").read_text() == fault_free
-    docs = [[json.loads(f.read_text()) for f in sorted((tmp_path / f"node{i}" / "incidents").glob("inc-*.json"))]
-            for i in (0, 1)]
+    docs = _all_incidents(tmp_path)
     # A stall is reported on the stuck rank's node only (as above); the hang
     # and the crash that replaced the rank are the job's, the same on both.
     stalls = [d for d in docs[1] if d["kind"] == "stall"]

@@ -125,11 +125,8 @@ class Audit:
             seq, a, b, _ = self.order
             self.order = None
             last = self.rt.step
-            if a in self.forks and last > a and self.rt.window_gap < a:
-                self.rt.flush()
-                self.pending += 1
-                self.queued.add(a)
-                self.ready.put((seq, self.forks[a], a, last))
+            if last > a:
+                self._queue(seq, a, last)
             else:
                 self._abandon(seq, "the job ended before the window began")
         deadline = time.monotonic() + timeout
@@ -164,18 +161,7 @@ class Audit:
         if self.order is not None and k >= self.order[2]:
             seq, a, b, _ = self.order
             self.order = None
-            snap = self.forks.get(a)
-            if snap is None:
-                self._abandon(seq, f"no fork at step {a}")
-            elif rt.window_gap >= a:
-                # Steps run paused (an overhead measurement) were not recorded:
-                # a replay of them would compare against nothing and "differ".
-                self._abandon(seq, f"step {rt.window_gap} ran paused")
-            else:
-                rt.flush()  # the window up to b is on disk before the replay reads it
-                self.pending += 1
-                self.queued.add(a)
-                self.ready.put((seq, snap, a, b))
+            self._queue(seq, a, b)
         seq = rt.ctl.audit_seq
         if seq > self.seen:
             self.seen = seq
@@ -216,6 +202,21 @@ class Audit:
         a = k if k in self.forks else k + LEAD
         chain = credit - w * per_step >= w * per_step
         rt.ctl.order_audit(a, a + w, chain)
+
+    def _queue(self, seq: int, a: int, b: int) -> None:
+        """Hand window (a, b] to the replay thread, or say why it cannot be audited."""
+        snap = self.forks.get(a)
+        if snap is None:
+            self._abandon(seq, f"no fork at step {a}")
+        elif self.rt.window_gap >= a:
+            # Steps run paused (an overhead measurement) were not recorded:
+            # a replay of them would compare against nothing and "differ".
+            self._abandon(seq, f"step {self.rt.window_gap} ran paused")
+        else:
+            self.rt.flush()  # the window up to b is on disk before the replay reads it
+            self.pending += 1
+            self.queued.add(a)
+            self.ready.put((seq, snap, a, b))
 
     def _drop_unused(self, k: int) -> None:
         in_use = self._in_use()
